@@ -1,0 +1,148 @@
+"""Small, dependency-free statistics for testing that speculative decoding is exact.
+
+Used by the test suite and by `specbatch verify`: a chi-square goodness-of-fit test (samples vs a
+known distribution), a chi-square homogeneity test (two samples, e.g. whole token sequences from
+speculative and from plain decoding) and the total-variation distance. p-values come from
+`torch.special.gammaincc`, so scipy is not needed at run time.
+
+Both tests pool the categories whose expected count is below `min_expected` into one bin, so
+that the chi-square approximation holds; a pooled bin that is itself too small is merged into
+the smallest regular bin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ChiSquareResult:
+    statistic: float
+    dof: int
+    p_value: float
+    bins: int
+
+
+def chi_square_sf(statistic: float, dof: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(dof): the regularized upper incomplete gamma."""
+    if dof <= 0:
+        return 1.0
+    if math.isinf(statistic):
+        return 0.0
+    a = torch.tensor(dof / 2.0, dtype=torch.float64)
+    x = torch.tensor(max(statistic, 0.0) / 2.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(a, x))
+
+
+def _pool_columns(expected: np.ndarray, min_expected: float) -> list[np.ndarray]:
+    """Group column indices: one group per column whose expected count is >= min_expected, and
+    the rest pooled; a pooled group below min_expected joins the smallest regular group.
+
+    `expected` is [K] (or [R, K]: a column is small when any of its cells is small).
+    """
+    smallest = expected if expected.ndim == 1 else expected.min(axis=0)
+    big = np.flatnonzero(smallest >= min_expected)
+    small = np.flatnonzero(smallest < min_expected)
+    groups = [np.array([i]) for i in big]
+    if small.size:
+        pooled_smallest = (
+            expected[small].sum() if expected.ndim == 1 else expected[:, small].sum(axis=1).min()
+        )
+        if pooled_smallest >= min_expected or not groups:
+            groups.append(small)
+        else:
+            j = int(np.argmin(smallest[big]))
+            groups[j] = np.concatenate([groups[j], small])
+    return groups
+
+
+def chi_square_gof(
+    observed: Sequence[int] | np.ndarray,
+    expected_probs: Sequence[float] | np.ndarray,
+    min_expected: float = 5.0,
+) -> ChiSquareResult:
+    """Pearson goodness of fit of observed category counts to `expected_probs` (sum ~ 1).
+
+    Categories with expected count < min_expected are pooled (see module doc). Any observation
+    in a category of probability exactly 0 is impossible under the hypothesis: the statistic is
+    then infinite and the p-value 0.
+    """
+    obs = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(expected_probs, dtype=np.float64).ravel()
+    if obs.shape != probs.shape:
+        raise ValueError(f"observed has {obs.size} categories, expected_probs {probs.size}")
+    if np.any(obs < 0) or np.any(probs < 0) or not np.all(np.isfinite(probs)):
+        raise ValueError("counts and probabilities must be finite and non-negative")
+    total_prob = probs.sum()
+    if abs(total_prob - 1.0) > 1e-4:
+        raise ValueError(f"expected_probs sum to {total_prob}, not 1")
+    n = obs.sum()
+    if n == 0:
+        raise ValueError("no observations")
+    if np.any(obs[probs == 0] > 0):
+        bins = int(np.count_nonzero(probs)) + 1
+        return ChiSquareResult(statistic=math.inf, dof=bins - 1, p_value=0.0, bins=bins)
+    support = np.flatnonzero(probs > 0)
+    expected = n * probs[support] / total_prob
+    obs = obs[support]
+    groups = _pool_columns(expected, min_expected)
+    e = np.array([expected[g].sum() for g in groups])
+    o = np.array([obs[g].sum() for g in groups])
+    statistic = float(((o - e) ** 2 / e).sum())
+    dof = len(groups) - 1
+    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups))
+
+
+def chi_square_two_sample(
+    counts_a: Mapping[Hashable, int],
+    counts_b: Mapping[Hashable, int],
+    min_expected: float = 5.0,
+) -> ChiSquareResult:
+    """Chi-square homogeneity test: were the two samples drawn from the same distribution?
+
+    Categories are the union of both mappings' keys (e.g. whole token sequences as tuples). A
+    category is pooled when its expected count in either sample is below min_expected. Samples
+    of different sizes are fine.
+    """
+    keys = list(set(counts_a) | set(counts_b))
+    table = np.array(
+        [[counts_a.get(k, 0) for k in keys], [counts_b.get(k, 0) for k in keys]], dtype=np.float64
+    ).reshape(2, len(keys))
+    if np.any(table < 0):
+        raise ValueError("counts must be non-negative")
+    row_totals = table.sum(axis=1)
+    if np.any(row_totals == 0):
+        raise ValueError("both samples need at least one observation")
+    expected = np.outer(row_totals, table.sum(axis=0)) / row_totals.sum()
+    groups = _pool_columns(expected, min_expected)
+    o = np.stack([table[:, g].sum(axis=1) for g in groups], axis=1)
+    e = np.stack([expected[:, g].sum(axis=1) for g in groups], axis=1)
+    statistic = float(((o - e) ** 2 / e).sum())
+    dof = len(groups) - 1
+    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups))
+
+
+def total_variation(
+    p: Sequence[float] | np.ndarray | torch.Tensor | Mapping[Hashable, float],
+    q: Sequence[float] | np.ndarray | torch.Tensor | Mapping[Hashable, float],
+) -> float:
+    """Total-variation distance `0.5 * sum |p - q|` between two distributions.
+
+    Accepts arrays/tensors of the same shape (summed over everything) or mappings from category
+    to probability (missing keys count as 0). Inputs are used as given, not renormalised.
+    """
+    if isinstance(p, Mapping) or isinstance(q, Mapping):
+        if not (isinstance(p, Mapping) and isinstance(q, Mapping)):
+            raise TypeError("total_variation: both arguments must be mappings, or neither")
+        keys = set(p) | set(q)
+        return 0.5 * sum(abs(float(p.get(k, 0.0)) - float(q.get(k, 0.0))) for k in keys)
+    a = p.detach().cpu().double().numpy() if isinstance(p, torch.Tensor) else np.asarray(p, float)
+    b = q.detach().cpu().double().numpy() if isinstance(q, torch.Tensor) else np.asarray(q, float)
+    if a.shape != b.shape:
+        raise ValueError(f"total_variation: shapes {a.shape} and {b.shape} differ")
+    return float(0.5 * np.abs(a - b).sum())
