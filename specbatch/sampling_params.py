@@ -1,0 +1,99 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specbatch.errors import InvalidInputError
+
+_EPS_GREEDY = 1e-5  # temperatures below this are treated as greedy, as vLLM does
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's continuation.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` switch those
+    filters off. ``max_tokens=None`` generates until a stop condition or ``max_model_len``.
+    A request with ``seed`` draws every random number from its own generator seeded with it, so it
+    returns the same tokens alone or inside any batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    _stop: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
+        self._check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._check_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise InvalidInputError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        self._check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidInputError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self._check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self._check_int("n", self.n)
+        if self.n != 1:
+            raise InvalidInputError(f"n must be 1 (one completion per request), got {self.n}")
+        if self.temperature < _EPS_GREEDY:
+            self.temperature = 0.0
+        self._stop = self._normalise_stop(self.stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids
+        ):
+            raise InvalidInputError(
+                f"stop_token_ids must be a list of non-negative integers, got {ids!r}"
+            )
+        self.stop_token_ids = list(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @staticmethod
+    def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise InvalidInputError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in items):
+            raise InvalidInputError("stop strings must not be empty")
+        return list(items)
+
+    @staticmethod
+    def _check_number(name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise InvalidInputError(f"{name} must be a number, got {value!r}")
+
+    @staticmethod
+    def _check_int(name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(f"{name} must be an integer, got {value!r}")

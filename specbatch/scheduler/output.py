@@ -1,0 +1,66 @@
+"""What the scheduler hands the executor each step, and what comes back. Plain Python data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specbatch.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent once, the first step a request is scheduled: what the worker keeps about it."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in one step.
+
+    The target processes ``target_token_ids`` at positions ``target_start ..`` and, when
+    ``sample`` is set (they reach the last known token), verifies ``num_draft`` draft tokens after
+    them and emits 1 .. num_draft+1 tokens. The draft first catches up on ``draft_token_ids`` at
+    positions ``draft_start ..``, then proposes ``num_draft`` tokens.
+    """
+
+    request_id: str
+    target_token_ids: list[int]
+    target_start: int
+    draft_token_ids: list[int]
+    draft_start: int
+    num_draft: int
+    sample: bool
+    block_table: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # the worker forgets these
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_target_tokens(self) -> int:
+        return sum(len(r.target_token_ids) + r.num_draft for r in self.requests)
+
+
+@dataclass
+class RequestStepResult:
+    """Per scheduled request that sampled: tokens emitted and drafts accepted."""
+
+    token_ids: list[int]
+    num_accepted: int
+
+
+@dataclass
+class StepResult:
+    results: dict[str, RequestStepResult] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds spent per phase, rank 0

@@ -1,0 +1,248 @@
+"""Continuous batching over a paged KV cache, with lookahead slots for speculative drafts.
+
+Each step: (1) every running request gets slots for the tokens its target has not processed yet,
+preempting the most recently admitted requests (recompute) if blocks run out; (2) decoding
+requests get draft lengths from the policy, shrunk to what the token budget, the length limits and
+the free blocks allow (drafts never cause a preemption); (3) waiting requests are admitted in
+arrival order while blocks, sequence slots and token budget last. After the step, ``update`` moves
+each model's progress counter back to what was accepted and truncates the block table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from specbatch.kv_cache.kv_cache_manager import KVCacheManager
+from specbatch.request import FinishReason, Request, RequestStatus
+from specbatch.scheduler.output import (
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepResult,
+)
+from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
+from specbatch.stop_checker import StopChecker
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv_cache: KVCacheManager,
+        stop_checker: StopChecker,
+        policy: SpeculationPolicy | None = None,
+        speculative: bool = False,
+    ) -> None:
+        self.limits = limits
+        self.kv = kv_cache
+        self.stop_checker = stop_checker
+        self.policy: SpeculationPolicy = policy or FixedDraftLength(0)
+        self.speculative = speculative
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_worker: set[str] = set()
+        self._forget: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+            req.finish_reason = FinishReason.ABORT
+            self._finish(req)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted = self._schedule_running(chosen, budget)
+        budget -= sum(n for _, n in chosen)
+        gammas = self._grant_drafts(chosen, budget)
+        budget -= sum(gammas.values())
+        if not preempted:
+            self._admit(chosen, budget)
+
+        out = SchedulerOutput(num_preempted=preempted, finished_request_ids=self._forget)
+        self._forget = []
+        now = time.monotonic()
+        for req, n in chosen:
+            rid = req.request_id
+            if rid not in self._known_to_worker:
+                self._known_to_worker.add(rid)
+                out.new_requests.append(NewRequestData(rid, req.sampling_params, req.seed))
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            end = req.num_computed + n
+            draft_tokens = (
+                req.token_slice(req.num_draft_computed, end) if self.speculative else []
+            )
+            out.requests.append(
+                ScheduledRequest(
+                    request_id=rid,
+                    target_token_ids=req.token_slice(req.num_computed, end),
+                    target_start=req.num_computed,
+                    draft_token_ids=draft_tokens,
+                    draft_start=req.num_draft_computed,
+                    num_draft=gammas.get(rid, 0),
+                    sample=end == req.num_tokens,
+                    block_table=list(self.kv.block_table(rid)),
+                )
+            )
+        return out
+
+    def _schedule_running(self, chosen: list[tuple[Request, int]], budget: int) -> int:
+        """Slots for every running request's unprocessed tokens; returns how many were preempted."""
+        preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted += 1
+                if victim is req:
+                    return preempted
+            chosen.append((req, n))
+            budget -= n
+            i += 1
+        return preempted
+
+    def _grant_drafts(self, chosen: list[tuple[Request, int]], budget: int) -> dict[str, int]:
+        """Draft lengths for decoding requests, within length limits, budget and free blocks."""
+        if not self.speculative:
+            return {}
+        decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
+        if not decoding:
+            return {}
+        gammas: dict[str, int] = {}
+        for req, want in zip(decoding, self.policy.draft_lengths(decoding)):
+            room_len = self.limits.max_model_len - req.num_tokens
+            room_out = req.max_output_tokens - len(req.output_token_ids) - 1
+            gamma = max(0, min(want, room_len, room_out, budget))
+            if gamma and not self.kv.allocate(req.request_id, req.num_computed + 1 + gamma):
+                fits = self.kv.max_slots_within_free(req.request_id) - req.num_computed - 1
+                gamma = max(0, min(gamma, fits))
+                if gamma:
+                    ok = self.kv.allocate(req.request_id, req.num_computed + 1 + gamma)
+                    assert ok, "slot arithmetic disagrees with the KV cache manager"
+            if gamma:
+                gammas[req.request_id] = gamma
+                budget -= gamma
+        return gammas
+
+    def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self.kv.allocate(req.request_id, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the request's cache and requeue it at the front."""
+        self.kv.free(req.request_id)
+        req.num_computed = 0
+        req.num_draft_computed = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- after the step --------------------------------------------------------------------
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Apply a step's results; returns the requests that emitted tokens or finished."""
+        touched: list[Request] = []
+        now = time.monotonic()
+        for sr in plan.requests:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            base = sr.target_start + len(sr.target_token_ids)
+            drafted_into = sr.draft_start + len(sr.draft_token_ids) + max(sr.num_draft - 1, 0)
+            if not sr.sample:
+                req.num_computed = base
+                req.num_draft_computed = min(drafted_into, base)
+                continue
+            r = result.results[sr.request_id]
+            req.num_computed = base + r.num_accepted
+            req.num_draft_computed = min(drafted_into, req.num_computed)
+            if sr.num_draft:
+                req.spec.record(sr.num_draft, r.num_accepted)
+                req.draft_lengths.append(sr.num_draft)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            for tok in r.token_ids:
+                req.token_times.append(now)
+                if self.stop_checker.append(req, tok):
+                    break
+            if req.finish_reason is not None:
+                self.running.remove(req)
+                self._finish(req)
+            else:
+                self.kv.truncate(req.request_id, req.num_computed)
+            touched.append(req)
+        return touched
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """Finish a running request from outside (e.g. a stop string found by the detokenizer)."""
+        req = self.requests[request_id]
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason = reason
+        self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finished_time = time.monotonic()
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+        if req.request_id in self._known_to_worker:
+            self._known_to_worker.discard(req.request_id)
+            self._forget.append(req.request_id)
