@@ -1,0 +1,301 @@
+"""Attention over a paged KV cache: the metadata of one ragged forward, the backend interface, the
+pure-torch reference backend, and the place where a backend is chosen.
+
+Layout of one forward: B sequences, T new tokens in all, sequence after sequence. The new tokens
+of a sequence are the LAST ``q_len`` of its ``seq_len`` positions, and query row ``i`` of it sees
+keys ``0 .. seq_len - q_len + i`` (causal, aligned bottom-right). So one call covers prompts
+(``q_len == seq_len``), prompt chunks, one-token decodes and ``gamma + 1``-token verification.
+
+A layer's cache is a pair ``(k_cache, v_cache)``, each ``[num_blocks, block_size, kv_heads, D]``;
+token position ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from specbatch.errors import InvalidInputError
+
+
+@dataclass
+class AttentionMetadata:
+    """One ragged forward: B sequences, T new tokens in all, laid out sequence after sequence."""
+
+    query_start_loc: torch.Tensor  # int64 [B+1]; new tokens of sequence b are rows qsl[b]:qsl[b+1]
+    seq_lens: torch.Tensor  # int64 [B]; context length of b INCLUDING its new tokens
+    block_tables: torch.Tensor  # int64 [B, max_blocks]; physical block ids (padding arbitrary)
+    slot_mapping: torch.Tensor  # int64 [T]; slot = block_id * block_size + offset for token t
+    query_lens_cpu: list[int]  # host copies, so backends need no device->host sync
+    seq_lens_cpu: list[int]
+    # Backends memoise per-forward index tensors here (the same metadata object is passed to
+    # every layer of one forward). Build a new metadata object for each forward.
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_cpu))
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build the tensors from host lists (tests and simple runners; O(T) Python work)."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            for p in range(s_len - q_len, s_len):
+                slots.append(table[p // block_size] * block_size + p % block_size)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        meta = cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).view(-1, width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+        meta.validate(block_size)
+        return meta
+
+    def validate(self, block_size: int) -> None:
+        """Host-side consistency checks (no device sync); raises ValueError on a malformed batch."""
+        b = len(self.seq_lens_cpu)
+        if len(self.query_lens_cpu) != b or self.query_start_loc.shape != (b + 1,):
+            raise ValueError(
+                "attention metadata: query_start_loc / query_lens_cpu / seq_lens disagree"
+            )
+        if self.slot_mapping.shape != (sum(self.query_lens_cpu),):
+            raise ValueError("attention metadata: slot_mapping must have one slot per new token")
+        for q_len, s_len in zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True):
+            if not 1 <= q_len <= s_len:
+                raise ValueError(
+                    f"attention metadata: need 1 <= q_len <= seq_len, got {q_len}, {s_len}"
+                )
+        if b and self.block_tables.shape[1] * block_size < max(self.seq_lens_cpu):
+            raise ValueError("attention metadata: block_tables too narrow for the longest sequence")
+
+
+class AttentionBackend(ABC):
+    """Writes this step's K/V into the paged cache, then attends over the cache.
+
+    Stateless across forwards: one instance may serve several models (target and draft).
+    """
+
+    name: ClassVar[str] = "abstract"
+    #: The block size must be a positive multiple of this (flash-attn paged KV needs 256).
+    block_size_multiple: ClassVar[int] = 1
+
+    @classmethod
+    def check_block_size(cls, block_size: int) -> None:
+        """Raise InvalidInputError naming ``block_size`` and the rule when it does not fit."""
+        m = cls.block_size_multiple
+        if not isinstance(block_size, int) or block_size <= 0 or block_size % m != 0:
+            rule = "a positive integer" if m == 1 else f"a positive multiple of {m}"
+            raise InvalidInputError(
+                f"block_size must be {rule} for the '{cls.name}' attention backend, "
+                f"got {block_size!r}"
+            )
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (already rotated) -> output ``[T, Hq, D]``."""
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter the new tokens' K/V into their slots (caches must be contiguous)."""
+    _, _, h, d = k_cache.shape
+    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+@dataclass
+class _ShortGroup:
+    """Index tensors that batch every short-query sequence into one padded SDPA call."""
+
+    q_index: torch.Tensor  # [Bs, max_q] rows of q (padding rows repeat a valid row)
+    out_index: torch.Tensor  # [Bs * max_q] destination rows; padding rows go to the trash row T
+    kv_slots: torch.Tensor  # [Bs, max_k] cache slots (padding keys repeat the sequence's slot 0)
+    mask: torch.Tensor  # [Bs, 1, max_q, max_k] bool, True = may attend
+
+
+@dataclass
+class _LongSeq:
+    start: int
+    end: int
+    q_len: int
+    seq_len: int
+    kv_slots: torch.Tensor | None  # [seq_len]; None when the whole sequence is new (a prompt)
+
+
+@dataclass
+class _Plan:
+    short: _ShortGroup | None
+    long: list[_LongSeq]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure-torch reference backend (any device; the oracle in tests).
+
+    Every sequence whose query is short (decode, verification: ``q_len <= short_query_max``) goes
+    through one padded ``scaled_dot_product_attention`` call, its keys gathered from the paged
+    cache with one index op; only long queries (prefills) are handled one sequence at a time.
+    """
+
+    name = "torch"
+
+    def __init__(self, short_query_max: int = 16) -> None:
+        self.short_query_max = short_query_max
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        t, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        gqa = hq != hkv
+        k_flat = k_cache.view(-1, hkv, d)
+        v_flat = v_cache.view(-1, hkv, d)
+        plan = self._plan(meta, k_cache.shape[1], t)
+        out = q.new_empty(t + 1, hq, d)  # the last row collects padding rows
+        if plan.short is not None:
+            g = plan.short
+            o = F.scaled_dot_product_attention(
+                q[g.q_index].transpose(1, 2),
+                k_flat[g.kv_slots].transpose(1, 2),
+                v_flat[g.kv_slots].transpose(1, 2),
+                attn_mask=g.mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out.index_copy_(0, g.out_index, o.transpose(1, 2).reshape(-1, hq, d))
+        for s in plan.long:
+            if s.kv_slots is None:
+                ks, vs = k[s.start : s.end], v[s.start : s.end]
+            else:
+                ks, vs = k_flat[s.kv_slots], v_flat[s.kv_slots]
+            mask = None
+            if s.q_len != s.seq_len:
+                mask = torch.ones(s.q_len, s.seq_len, dtype=torch.bool, device=q.device)
+                mask = mask.tril(diagonal=s.seq_len - s.q_len)
+            o = F.scaled_dot_product_attention(
+                q[s.start : s.end].transpose(0, 1).unsqueeze(0),
+                ks.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                vs.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[s.start : s.end] = o[0].transpose(0, 1)
+        return out[:t]
+
+    def _plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> _Plan:
+        key = ("torch", block_size, self.short_query_max)
+        plan = meta.derived.get(key)
+        if plan is None:
+            plan = self._build_plan(meta, block_size, num_tokens)
+            meta.derived[key] = plan
+        return plan
+
+    def _build_plan(self, meta: AttentionMetadata, bs: int, t: int) -> _Plan:
+        q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        short = [i for i, n in enumerate(q_lens) if n <= self.short_query_max]
+        device = meta.query_start_loc.device
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        long: list[_LongSeq] = []
+        for i, (q_len, s_len) in enumerate(zip(q_lens, s_lens, strict=True)):
+            if q_len <= self.short_query_max:
+                continue
+            slots = None
+            if q_len != s_len:
+                pos = torch.arange(s_len, device=device)
+                slots = meta.block_tables[i, pos // bs] * bs + pos % bs
+            long.append(_LongSeq(starts[i], starts[i + 1], q_len, s_len, slots))
+        if not short:
+            return _Plan(None, long)
+
+        qsl, seq_lens, tables = meta.query_start_loc[:-1], meta.seq_lens, meta.block_tables
+        qlen = meta.query_start_loc[1:] - qsl
+        if len(short) != len(q_lens):
+            idx = torch.tensor(short, dtype=torch.int64, device=device)
+            qsl, qlen, seq_lens, tables = qsl[idx], qlen[idx], seq_lens[idx], tables[idx]
+        max_q = max(q_lens[i] for i in short)
+        max_k = max(s_lens[i] for i in short)
+        ar_q = torch.arange(max_q, device=device)
+        ar_k = torch.arange(max_k, device=device)
+        rows = qsl[:, None] + ar_q[None, :]
+        q_valid = ar_q[None, :] < qlen[:, None]
+        slots = tables[:, ar_k // bs] * bs + ar_k % bs
+        k_valid = ar_k[None, :] < seq_lens[:, None]
+        # Padding keys point at the sequence's first slot (always written), so no uninitialised
+        # cache memory (possibly NaN) enters the matmuls, even with zero weight.
+        slots = torch.where(k_valid, slots, slots[:, :1])
+        last_visible = (seq_lens - qlen)[:, None] + ar_q[None, :]  # [Bs, max_q]
+        mask = (ar_k[None, None, :] <= last_visible[:, :, None]) & k_valid[:, None, :]
+        group = _ShortGroup(
+            q_index=torch.where(q_valid, rows, qsl[:, None]),
+            out_index=torch.where(q_valid, rows, t).reshape(-1),
+            kv_slots=slots,
+            mask=mask.unsqueeze(1),
+        )
+        return _Plan(group, long)
+
+
+def select_backend(
+    device: torch.device | str, name: str = "auto", dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The attention backend for a device: ``name`` is ``"auto"`` or one of the backend names.
+
+    Today only the pure-torch backend exists. CUDA backends (flash-attn paged varlen, xformers)
+    belong here: with ``"auto"`` on a CUDA device, return the first one that imports and supports
+    ``dtype``; mind that they constrain ``block_size`` (see ``check_block_size``).
+    """
+    available: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+    if name == "auto":
+        return TorchAttentionBackend()
+    if name not in available:
+        raise InvalidInputError(
+            f"attention_backend '{name}' is not available; available: auto, " + ", ".join(available)
+        )
+    return available[name]()

@@ -1,0 +1,194 @@
+"""Tensor-parallel linear layers (Megatron style), sharded while the weights load.
+
+- ``ColumnParallelLinear``: the output features are split across ranks; each rank returns its own
+  slice (no communication). ``MergedColumnParallelLinear`` fuses several such projections that
+  share an input (gate and up), ``QKVParallelLinear`` fuses q, k and v with heads split per rank.
+- ``RowParallelLinear``: the input features are split; each rank computes a partial product and
+  the results are summed with an all-reduce. The bias is added once, after the reduction.
+
+Weights are stored like ``nn.Linear``: ``[out_features_local, in_features_local]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbatch.distributed.parallel_state import TensorParallelGroup
+from specbatch.errors import InvalidInputError
+from specbatch.model.layers.weights import (
+    Loaded,
+    check_shape,
+    copy_into,
+    new_param,
+    read_all,
+    set_weight_loader,
+    take,
+)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise InvalidInputError(
+            f"model: {what}={numerator} must be divisible by tensor_parallel_size={denominator}"
+        )
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_local = x @ W_local^T + b_local``, with ``W`` split along its output dimension."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard_names: Sequence[object] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [divide(n, tp.size, "output_size") for n in self.output_sizes]
+        self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        self.shard_names = list(shard_names) if shard_names is not None else None
+        self.weight = new_param((sum(self.local_sizes), input_size), dtype, device)
+        set_weight_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias: nn.Parameter | None = new_param((sum(self.local_sizes),), dtype, device)
+            set_weight_loader(self.bias, self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def _shard_index(self, shard_id: object) -> int:
+        if self.shard_names is None:
+            if shard_id is None and len(self.output_sizes) == 1:
+                return 0
+            if isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes):
+                return shard_id
+        elif shard_id in self.shard_names:
+            return self.shard_names.index(shard_id)
+        raise ValueError(f"unknown shard id {shard_id!r} for {type(self).__name__}")
+
+    def _local_rows(self, shard: int) -> tuple[int, int, int]:
+        """(start row in the full shard, number of rows, start row in the local parameter)."""
+        n = self.local_sizes[shard]
+        return self.tp.rank * n, n, self.local_offsets[shard]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        shard = self._shard_index(shard_id)
+        src_start, n, dst_start = self._local_rows(shard)
+        full_rows = self.output_sizes[shard]
+        expected = (full_rows,) if param.dim() == 1 else (full_rows, self.input_size)
+        check_shape(loaded, expected)
+        copy_into(param.data.narrow(0, dst_start, n), take(loaded, 0, src_start, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (e.g. gate and up).
+
+    Shard ids are the integer positions in ``output_sizes``; each part is split across ranks on
+    its own, so rank ``r`` holds ``[gate_r; up_r]``.
+    """
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; shard ids ``"q"``, ``"k"``, ``"v"``.
+
+    Query heads and key/value heads are split across ranks separately (both counts must be
+    divisible by the tensor-parallel size), so rank ``r`` holds whole heads:
+    ``[q heads of r; kv heads of r (k); kv heads of r (v)]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_heads_local = divide(num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads_local = divide(num_kv_heads, tp.size, "num_key_value_heads")
+        self.head_dim = head_dim
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias=bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+            shard_names=["q", "k", "v"],
+        )
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, local_out]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (views)."""
+        q, k, v = qkv.split(self.local_sizes, dim=-1)
+        t = qkv.shape[0]
+        return (
+            q.view(t, self.num_heads_local, self.head_dim),
+            k.view(t, self.num_kv_heads_local, self.head_dim),
+            v.view(t, self.num_kv_heads_local, self.head_dim),
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local @ W_local^T) + b``, with ``W`` split along its input dimension.
+
+    ``x_local`` is this rank's slice of the input features, as produced by a column-parallel
+    layer. The bias is replicated and added after the reduction, so it is counted once.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_local = divide(input_size, tp.size, "input_size")
+        self.weight = new_param((output_size, self.input_size_local), dtype, device)
+        set_weight_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias: nn.Parameter | None = new_param((output_size,), dtype, device)
+            set_weight_loader(self.bias, self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            check_shape(loaded, (self.output_size,))
+            copy_into(param.data, read_all(loaded))
+            return
+        check_shape(loaded, (self.output_size, self.input_size))
+        n = self.input_size_local
+        copy_into(param.data, take(loaded, 1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,344 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache, tensor-parallel.
+
+One class covers the four architectures; they differ only in a few switches read from the config:
+which projections carry a bias, whether q and k get a per-head RMSNorm (Qwen3), tied embeddings,
+an explicit ``head_dim``, and the rope settings. The model holds only weights: the KV caches and
+the attention metadata are passed to every forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.errors import InvalidInputError
+from specbatch.model.layers.activation import SiluAndMul
+from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
+from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from specbatch.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    divide,
+)
+from specbatch.model.layers.norm import RMSNorm
+from specbatch.model.layers.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def architecture_of(hf_config: Any) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        by_type = {"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3}
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type in by_type:
+            return SUPPORTED_ARCHITECTURES[by_type[model_type]]
+        return f"<none; model_type={model_type!r}>"
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    return archs[0]
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return int(
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
+def sliding_window_of(hf_config: Any) -> int | None:
+    """The attention window if any layer uses one (not implemented: cap max_model_len to it)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(hf_config, "model_type", None) in ("qwen2", "qwen3"):
+        layer_types = getattr(hf_config, "layer_types", None)
+        uses = getattr(hf_config, "use_sliding_window", False)
+        if layer_types is not None:
+            uses = uses and "sliding_attention" in layer_types
+        return int(window) if uses else None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(hf_config)
+        num_heads = int(hf_config.num_attention_heads)
+        self.qkv_proj = QKVParallelLinear(
+            int(hf_config.hidden_size),
+            self.head_dim,
+            num_heads,
+            num_kv_heads_of(hf_config),
+            bias=qkv_bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim,
+            int(hf_config.hidden_size),
+            bias=o_bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+        )
+        eps = float(hf_config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.rotary = rotary  # one module shared by all layers (its cos/sin are not weights)
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"bias": bias, "tp": tp, "dtype": dtype, "device": device}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], **kw
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, attn: LlamaAttention, mlp: LlamaMLP, **kw: Any) -> None:
+        super().__init__()
+        hidden, eps = int(hf_config.hidden_size), float(hf_config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hidden, eps, **kw)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (parameter names follow the HF ``model.`` prefix)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        arch: str,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        hidden = int(hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), hidden, tp=tp, **kw)
+        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        layers = []
+        for _ in range(int(hf_config.num_hidden_layers)):
+            attn = LlamaAttention(
+                hf_config,
+                qkv_bias=is_qwen2 or attention_bias,
+                o_bias=attention_bias and not is_qwen2,
+                qk_norm=arch == "Qwen3ForCausalLM",
+                rotary=self.rotary_emb,
+                backend=backend,
+                tp=tp,
+                **kw,
+            )
+            mlp = LlamaMLP(
+                hidden,
+                int(hf_config.intermediate_size),
+                bias=bool(getattr(hf_config, "mlp_bias", False)),
+                tp=tp,
+                **kw,
+            )
+            layers.append(LlamaDecoderLayer(hf_config, attn, mlp, **kw))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, float(hf_config.rms_norm_eps), **kw)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, positions, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM; this rank's shard when ``tp.size > 1``.
+
+    Parameters are allocated uninitialised on ``device`` in ``dtype``; ``load_weights`` (through
+    :func:`specbatch.model.loader.load_model`) fills them.
+    """
+
+    # HF checkpoint name -> (our fused parameter, shard id)
+    packed_modules: ClassVar[dict[str, tuple[str, object]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallelGroup = SINGLE,
+        attention_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        arch = architecture_of(hf_config)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise InvalidInputError(
+                f"model: architecture '{arch}' is not supported; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
+        if attention_backend is None:
+            from specbatch.model.layers.attention import select_backend
+
+            attention_backend = select_backend(device, dtype=dtype)
+        self.hf_config = hf_config
+        self.architecture = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tp = tp
+        self.attention_backend = attention_backend
+        self.vocab_size = int(hf_config.vocab_size)
+        self.hidden_size = int(hf_config.hidden_size)
+        self.head_dim = head_dim_of(hf_config)
+        self.num_layers = int(hf_config.num_hidden_layers)
+        self.num_heads_local = divide(
+            int(hf_config.num_attention_heads), tp.size, "num_attention_heads"
+        )
+        self.num_kv_heads_local = divide(num_kv_heads_of(hf_config), tp.size, "num_key_value_heads")
+        self.max_position_embeddings = int(hf_config.max_position_embeddings)
+        self.sliding_window = sliding_window_of(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+        self.model = LlamaModel(
+            hf_config, arch=arch, backend=attention_backend, tp=tp, dtype=dtype, device=device
+        )
+        self.lm_head = ParallelLMHead(
+            self.vocab_size,
+            self.hidden_size,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+            tied_weight=self.model.embed_tokens.weight if self.tie_word_embeddings else None,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions ``[T]`` int64 -> final-normed hidden states ``[T, hidden]``.
+
+        Writes the new tokens' K/V into ``kv_caches`` (one ``(k, v)`` pair per layer, each
+        ``[num_blocks, block_size, num_kv_heads_local, head_dim]`` in the model dtype).
+        """
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 logits ``[N, vocab_size]`` (full vocabulary on each rank)."""
+        return self.lm_head(hidden)
+
+    def kv_cache_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
+        """Bytes one token costs in this rank's cache: K and V, every layer."""
+        itemsize = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads_local * self.head_dim * itemsize
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one of the K or V cache tensors of one layer."""
+        return (num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
+
+    def allocate_kv_caches(
+        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
+    ) -> list[KVCache]:
+        """Zero-filled caches for every layer (a convenience; the runner may allocate its own)."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        dev = self.device if device is None else device
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=dev),
+                torch.zeros(shape, dtype=self.dtype, device=dev),
+            )
+            for _ in range(self.num_layers)
+        ]

@@ -1,0 +1,178 @@
+"""Load a Hugging Face checkpoint directory into a (tensor-parallel shard of a) model.
+
+Every check that can fail on user input runs before any weight is read. Weights are sharded as
+they load: each parameter's ``weight_loader`` reads only this rank's rows or columns from the
+safetensors file (``get_slice``), so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.errors import InvalidInputError
+from specbatch.model.layers.attention import AttentionBackend
+from specbatch.model.layers.rotary import compute_inv_freq
+from specbatch.model.layers.weights import get_weight_loader
+from specbatch.model.llama import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaForCausalLM,
+    architecture_of,
+    head_dim_of,
+    num_kv_heads_of,
+)
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors that are not weights (old checkpoints saved the rotary buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".inv_freq")
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """Check that ``path`` is a checkpoint directory and return its transformers config."""
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInputError(f"model: path '{path}' does not exist")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise InvalidInputError(
+            f"model: '{path}' is not a Hugging Face checkpoint directory (no config.json)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise InvalidInputError(f"model: cannot read '{p / 'config.json'}': {e}") from e
+
+
+def check_config(hf_config: Any, tp: TensorParallelGroup = SINGLE) -> None:
+    """Architecture, activation, rope type and tensor-parallel divisibility, before any loading."""
+    arch = architecture_of(hf_config)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InvalidInputError(
+            f"model: architecture '{arch}' is not supported; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
+    compute_inv_freq(hf_config, head_dim_of(hf_config))  # raises for unsupported rope types
+    for field, value in (
+        ("num_attention_heads", int(hf_config.num_attention_heads)),
+        ("num_key_value_heads", num_kv_heads_of(hf_config)),
+        ("intermediate_size", int(hf_config.intermediate_size)),
+    ):
+        if value % tp.size != 0:
+            raise InvalidInputError(
+                f"model: {field}={value} is not divisible by tensor_parallel_size={tp.size}"
+            )
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those of the index if any, else all of them."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [p / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise InvalidInputError(
+                f"model: '{index}' lists files that are not there: {', '.join(missing)}"
+            )
+        return files
+    if (p / "model.safetensors").is_file():
+        return [p / "model.safetensors"]
+    # Mistral repositories also ship "consolidated.safetensors" with other tensor names.
+    files = [f for f in sorted(p.glob("*.safetensors")) if not f.name.startswith("consolidated")]
+    if not files:
+        raise InvalidInputError(
+            f"model: no *.safetensors weights in '{path}' (only safetensors checkpoints are "
+            "supported; convert .bin/.pt weights with transformers' save_pretrained)"
+        )
+    return files
+
+
+def _map_name(model: LlamaForCausalLM, hf_name: str) -> tuple[str, object]:
+    for hf_part, (ours, shard) in model.packed_modules.items():
+        if f".{hf_part}." in hf_name:
+            return hf_name.replace(f".{hf_part}.", f".{ours}."), shard
+    return hf_name, None
+
+
+def _hf_name(model: LlamaForCausalLM, name: str, shard: object) -> str:
+    for hf_part, (ours, s) in model.packed_modules.items():
+        if shard == s and f".{ours}." in name:
+            return name.replace(f".{ours}.", f".{hf_part}.")
+    return name
+
+
+def _expected(model: LlamaForCausalLM) -> set[tuple[str, object]]:
+    """Every (parameter, shard) the checkpoint must provide."""
+    shards_of: dict[str, list[object]] = {}
+    for ours, shard in model.packed_modules.values():
+        shards_of.setdefault(ours, []).append(shard)
+    expected: set[tuple[str, object]] = set()
+    for name, _ in model.named_parameters():
+        module = name.split(".")[-2]
+        for shard in shards_of.get(module, [None]):
+            expected.add((name, shard))
+    return expected
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Fill every parameter from the files; raise naming any weight the checkpoint lacks."""
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, object]] = set()
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if model.tie_word_embeddings and hf_name == "lm_head.weight":
+                    continue
+                name, shard = _map_name(model, hf_name)
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(hf_name)
+                    continue
+                try:
+                    get_weight_loader(param)(param, f.get_slice(hf_name), shard)
+                except InvalidInputError as e:
+                    raise InvalidInputError(f"model: weight '{hf_name}' {e}") from None
+                loaded.add((name, shard))
+    missing = sorted(_hf_name(model, n, s) for n, s in _expected(model) - loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+        )
+        raise InvalidInputError(f"model: the checkpoint lacks {len(missing)} weight(s): {shown}")
+    if unexpected:
+        logger.warning(
+            "ignoring %d checkpoint tensor(s) the model has no place for: %s",
+            len(unexpected),
+            ", ".join(unexpected[:10]),
+        )
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TensorParallelGroup = SINGLE,
+    attention_backend: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """This rank's shard of the checkpoint at ``path``, in ``dtype`` on ``device``, ready to run."""
+    hf_config = load_hf_config(path)
+    check_config(hf_config, tp)
+    files = checkpoint_files(path)
+    model = LlamaForCausalLM(hf_config, dtype, device, tp, attention_backend)
+    load_weights(model, files)
+    return model.eval()
