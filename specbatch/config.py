@@ -1,0 +1,310 @@
+"""Engine configuration: the user's arguments, checked once, turned into frozen configs.
+
+Every limit the engine enforces on its configuration lives here, and every violation is an
+``InvalidInputError`` that names the argument and the limit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specbatch.errors import InvalidInputError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "T": 1e12}
+
+
+def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a number of bytes, as bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise InvalidInputError(
+                f"{field_name}: cannot read {value!r} as a size (e.g. 2GiB, 512MiB, 1e9)"
+            )
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if n <= 0:
+        raise InvalidInputError(f"{field_name} must be positive, got {value!r}")
+    return n
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("device: 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
+    """``auto`` takes the checkpoint's dtype, except that 16-bit weights run in float32 on CPU."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if not isinstance(stored, torch.dtype) or stored not in (
+        torch.float32, torch.float16, torch.bfloat16
+    ):
+        stored = torch.float32
+    if device == "cpu":
+        return torch.float32
+    return stored
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    hf_config: Any = field(repr=False)
+    dtype: Any
+    tokenizer_path: str | None  # None: the checkpoint has no tokenizer, token-id prompts only
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def context_length(self) -> int:
+        n = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
+        window = _sliding_window(self.hf_config)
+        if window:
+            n = min(n, window) if n else window
+        return n
+
+
+def _sliding_window(hf_config: Any) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window) if window else None
+
+
+def _has_tokenizer(path: str) -> bool:
+    p = Path(path)
+    return any(
+        (p / name).exists()
+        for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    )
+
+
+def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, checked and resolved."""
+
+    target: ModelConfig
+    draft: ModelConfig | None
+    num_speculative_tokens: int
+    device: str
+    seed: int
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    tensor_parallel_size: int
+    draft_tensor_parallel_size: int
+    distributed_executor_backend: str
+    ray_address: str | None
+    attention_backend: str
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None and self.num_speculative_tokens > 0
+
+
+@dataclass
+class EngineArgs:
+    """The engine's arguments, as ``LLM(...)``, the CLI and the server take them."""
+
+    model: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int | None = None
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
+    attention_backend: str = "auto"
+
+    def create_engine_config(self) -> EngineConfig:
+        device = resolve_device(self.device)
+        _check_positive_int("seed", self.seed, minimum=0)
+        _check_positive_int("block_size", self.block_size)
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.num_kv_blocks is not None:
+            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
+        kv_bytes = (
+            parse_memory_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+        )
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise InvalidInputError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+        model_path = self.model or default_model_path("target")
+        target = self._model_config(model_path, "model", self.tokenizer, device)
+        draft = None
+        k = self.num_speculative_tokens
+        if self.draft_model is not None or (self.model is None and k):
+            draft_path = self.draft_model or default_model_path("draft")
+            draft = self._model_config(draft_path, "draft_model", None, device)
+            check_same_vocabulary(target, draft)
+            if k is None:
+                k = 4
+        k = 0 if k is None else k
+        _check_positive_int("num_speculative_tokens", k, minimum=0)
+        if k > 0 and draft is None:
+            raise InvalidInputError(
+                f"num_speculative_tokens={k} needs a draft model (draft_model is not set)"
+            )
+
+        limit = target.context_length
+        if draft is not None and draft.context_length:
+            limit = min(limit, draft.context_length) if limit else draft.context_length
+        max_model_len = self.max_model_len if self.max_model_len is not None else limit
+        _check_positive_int("max_model_len", max_model_len, minimum=2)
+        if limit and max_model_len > limit:
+            raise InvalidInputError(
+                f"max_model_len={max_model_len} exceeds the models' context length {limit}"
+            )
+        batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        _check_positive_int("max_num_batched_tokens", batched, minimum=k + 1)
+
+        tp = self.tensor_parallel_size
+        check_tensor_parallel(target, tp, "model")
+        draft_tp = self.draft_tensor_parallel_size
+        if draft_tp is None:
+            draft_tp = 1
+        if draft_tp not in (1, tp):
+            raise InvalidInputError(
+                f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}"
+            )
+        if draft is not None:
+            check_tensor_parallel(draft, draft_tp, "draft_model")
+        backend = self.distributed_executor_backend or ("ray" if tp > 1 else "uni")
+        if backend not in ("uni", "ray"):
+            raise InvalidInputError(
+                f"distributed_executor_backend must be 'uni' or 'ray', got {backend!r}"
+            )
+        if backend == "uni" and tp > 1:
+            raise InvalidInputError("tensor_parallel_size > 1 needs distributed_executor_backend='ray'")
+        if self.kv_cache_memory is None and self.num_kv_blocks is None and device == "cpu":
+            kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
+        return EngineConfig(
+            target=target,
+            draft=draft,
+            num_speculative_tokens=k,
+            device=device,
+            seed=self.seed,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=kv_bytes,
+            gpu_memory_utilization=float(self.gpu_memory_utilization),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tp,
+            draft_tensor_parallel_size=draft_tp,
+            distributed_executor_backend=backend,
+            ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
+            attention_backend=self.attention_backend,
+        )
+
+    @staticmethod
+    def _model_config(path: str, field_name: str, tokenizer: str | None, device: str) -> ModelConfig:
+        from specbatch.model.loader import load_hf_config
+
+        try:
+            hf_config = load_hf_config(path)
+        except InvalidInputError as e:
+            msg = str(e)
+            if msg.startswith("model") and field_name != "model":
+                msg = field_name + msg[len("model") :]
+            raise InvalidInputError(msg) from None
+        tok = tokenizer or (path if _has_tokenizer(path) else None)
+        return ModelConfig(str(path), hf_config, resolve_dtype("auto", hf_config, device), tok)
+
+
+def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
+    """The draft must propose ids that mean the same tokens to the target."""
+    if target.vocab_size != draft.vocab_size:
+        raise InvalidInputError(
+            f"draft_model: vocab_size {draft.vocab_size} differs from the target's "
+            f"{target.vocab_size}; the draft must share the target's vocabulary"
+        )
+    if target.tokenizer_path and draft.tokenizer_path:
+        from specbatch.tokenizer import load_tokenizer
+
+        a = load_tokenizer(target.tokenizer_path).get_vocab()
+        b = load_tokenizer(draft.tokenizer_path).get_vocab()
+        if a != b:
+            differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+            raise InvalidInputError(
+                "draft_model: its tokenizer maps tokens to ids differently from the target's "
+                f"(e.g. {differ}); the draft must share the target's vocabulary"
+            )
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, field_name: str) -> None:
+    cfg = model.hf_config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": int(cfg.intermediate_size),
+        "vocab_size": int(cfg.vocab_size),
+    }
+    for name, value in sizes.items():
+        if value % tp:
+            raise InvalidInputError(
+                f"tensor_parallel_size={tp} does not divide {field_name}'s {name}={value}"
+            )
+
+
+def default_model_path(which: str) -> str:
+    """The built-in pair shipped inside the package (``which`` is 'target' or 'draft')."""
+    path = Path(__file__).parent / "assets" / "default_pair" / which
+    if not (path / "config.json").exists():
+        raise InvalidInputError(
+            "model: no model was given and the built-in model pair is not installed "
+            f"(looked in {path}); pass --model DIR"
+        )
+    return str(path)

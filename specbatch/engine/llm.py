@@ -1,0 +1,111 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``, as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from specbatch.config import EngineArgs
+from specbatch.engine.llm_engine import LLMEngine, PromptInput
+from specbatch.errors import InvalidInputError
+from specbatch.outputs import RequestOutput
+from specbatch.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine in this process, for offline batch generation.
+
+    ``LLM(model=DIR, draft_model=DRAFT, num_speculative_tokens=4, ...)`` takes every
+    ``EngineArgs`` field as a keyword.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt is checked before any work starts. If generation fails or is interrupted,
+        the requests of this call are aborted, so the KV pool is whole again.
+        """
+        items = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise InvalidInputError(
+                    f"sampling_params: {len(params)} given for {len(items)} prompts"
+                )
+        for i, p in enumerate(items):
+            self.engine.prepare_prompt(p, field=f"prompts[{i}]")
+        ids = [
+            self.engine.add_request(p, sp, field=f"prompts[{i}]")
+            for i, (p, sp) in enumerate(zip(items, params))
+        ]
+        try:
+            done = self._run(set(ids), use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [done[i] for i in ids]
+
+    def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pending), desc="Generating", unit="req", dynamic_ncols=True)
+        start, tokens = time.perf_counter(), 0
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        tokens += len(out.outputs[0].token_ids)
+                        if bar is not None:
+                            bar.update(1)
+                            rate = tokens / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"{rate:.1f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+        return done
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    ):
+        return [list(prompts)]  # a single prompt given as token ids
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidInputError(
+            f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}"
+        )
+    if not prompts:
+        raise InvalidInputError("prompts: the list is empty")
+    return list(prompts)

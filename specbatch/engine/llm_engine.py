@@ -1,0 +1,175 @@
+"""The step loop: schedule, execute, update. Everything else is input checking and outputs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from specbatch.config import EngineArgs, EngineConfig
+from specbatch.engine.metrics import EngineMetrics
+from specbatch.errors import EngineError, InvalidInputError
+from specbatch.kv_cache.kv_cache_manager import KVCacheManager
+from specbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specbatch.request import Request
+from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
+from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.stop_checker import StopChecker
+from specbatch.tokenizer import eos_token_ids, load_tokenizer
+from specbatch.worker.executor import create_executor
+
+PromptInput = str | dict[str, Any] | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        tok_path = config.target.tokenizer_path
+        self.tokenizer = load_tokenizer(tok_path) if tok_path else None
+        self.eos_token_ids = eos_token_ids(config.target.hf_config, self.tokenizer, config.target.path)
+        self.executor = create_executor(config)
+        try:
+            num_blocks = self.executor.determine_num_kv_blocks()
+            self.executor.init_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.stop_checker = StopChecker(self.tokenizer)
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+            ),
+            self.kv_cache,
+            self.stop_checker,
+            policy=FixedDraftLength(config.num_speculative_tokens),
+            speculative=config.speculative,
+        )
+        self.metrics = EngineMetrics()
+        self._ids = itertools.count()
+        self._seeds = itertools.count(1)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    # ---- requests --------------------------------------------------------------------------
+    def prepare_prompt(self, prompt: PromptInput, field: str = "prompt") -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt, checked against the vocabulary and max_model_len."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.prepare_prompt(list(prompt["prompt_token_ids"]), field)
+            if "prompt" in prompt:
+                return self.prepare_prompt(prompt["prompt"], field)
+            raise InvalidInputError(f"{field}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError(f"{field}: the prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidInputError(
+                    f"{field}: the model has no tokenizer, so prompts must be token ids "
+                    "({'prompt_token_ids': [...]})"
+                )
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            vocab = self.config.target.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidInputError(
+                        f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})"
+                    )
+        else:
+            raise InvalidInputError(
+                f"{field}: must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidInputError(f"{field}: the prompt is empty (0 tokens)")
+        limit = self.config.max_model_len - 1
+        if len(ids) > limit:
+            raise InvalidInputError(
+                f"{field}: {len(ids)} tokens, more than the limit of {limit} "
+                f"(max_model_len {self.config.max_model_len} leaves room for one output token)"
+            )
+        return text, ids
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        field: str = "prompt",
+    ) -> str:
+        params = params or SamplingParams()
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
+        text, ids = self.prepare_prompt(prompt, field)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seeds)
+        self.scheduler.add_request(
+            Request(
+                request_id=rid,
+                prompt_token_ids=ids,
+                sampling_params=params,
+                max_model_len=self.config.max_model_len,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                seed=seed,
+            )
+        )
+        return rid
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for req in self.scheduler.abort(ids):
+            self.stop_checker.forget(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that emitted tokens or finished."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished():
+                raise EngineError("the scheduler could not schedule any waiting request")
+            return []
+        result = self.executor.execute(plan)
+        touched = self.scheduler.update(plan, result)
+        self.metrics.on_step(plan, result, time.perf_counter() - start)
+        return [self._output(req) for req in touched]
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.is_finished
+        if finished:
+            text = self.stop_checker.finish_text(req)
+            self.stop_checker.forget(req.request_id)
+        else:
+            text = self.stop_checker.text(req)
+        reason = req.finish_reason.value if req.finish_reason else None
+        completion = CompletionOutput(0, text, list(req.output_token_ids), reason, req.stop_reason)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=RequestMetrics.of(req),
+        )
+
+    # ---- introspection ---------------------------------------------------------------------
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

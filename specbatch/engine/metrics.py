@@ -1,0 +1,48 @@
+"""Engine-wide counters: steps, tokens, preemptions and speculation statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specbatch.request import SpecStats
+from specbatch.scheduler.output import SchedulerOutput, StepResult
+
+
+@dataclass
+class EngineMetrics:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # target tokens processed that were not emitted by this step
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    step_time_total: float = 0.0
+    draft_time_total: float = 0.0
+    target_time_total: float = 0.0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    def on_step(self, plan: SchedulerOutput, result: StepResult, step_time: float) -> None:
+        self.num_steps += 1
+        self.num_preemptions += plan.num_preempted
+        self.step_time_total += step_time
+        self.draft_time_total += result.timings.get("draft", 0.0)
+        self.target_time_total += result.timings.get("target", 0.0)
+        for sr in plan.requests:
+            self.num_prompt_tokens += len(sr.target_token_ids) - (1 if sr.sample else 0)
+            r = result.results.get(sr.request_id)
+            if r is not None:
+                self.num_generated_tokens += len(r.token_ids)
+                self.spec.record(sr.num_draft, r.num_accepted)
+
+    def summary(self) -> dict[str, float | int | list[float] | None]:
+        s = self.spec
+        return {
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "preemptions": self.num_preemptions,
+            "spec_rounds": s.rounds,
+            "draft_tokens_proposed": s.proposed,
+            "draft_tokens_accepted": s.accepted,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_tokens_per_round": s.mean_tokens_per_round,
+            "predicted_tokens_per_round": s.predicted_tokens_per_round(),
+            "acceptance_by_position": s.acceptance_by_position,
+        }

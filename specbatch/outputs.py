@@ -1,0 +1,89 @@
+"""What ``generate`` returns, shaped like vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specbatch.request import Request
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """Times are ``time.monotonic()`` seconds; durations in seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    spec_rounds: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    acceptance_rate: float | None = None
+    mean_tokens_per_round: float | None = None
+    predicted_tokens_per_round: float | None = None
+    acceptance_by_position: list[float] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        end = self.finished_time or self.last_token_time
+        return None if end is None else end - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first (TPOT)."""
+        if self.num_generated_tokens < 2 or self.first_token_time is None:
+            return None
+        assert self.last_token_time is not None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @classmethod
+    def of(cls, req: Request) -> RequestMetrics:
+        s = req.spec
+        return cls(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            last_token_time=req.last_token_time,
+            finished_time=req.finished_time,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generated_tokens=len(req.output_token_ids),
+            num_preemptions=req.num_preemptions,
+            spec_rounds=s.rounds,
+            draft_tokens_proposed=s.proposed,
+            draft_tokens_accepted=s.accepted,
+            acceptance_rate=s.acceptance_rate,
+            mean_tokens_per_round=s.mean_tokens_per_round,
+            predicted_tokens_per_round=s.predicted_tokens_per_round(),
+            acceptance_by_position=s.acceptance_by_position,
+            draft_lengths=list(req.draft_lengths),
+        )
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

@@ -1,0 +1,41 @@
+"""Tokenizer loading (through transformers)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from specbatch.errors import InvalidInputError
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many kinds; the user needs the path and cause
+        raise InvalidInputError(f"tokenizer: cannot load a tokenizer from '{path}': {e}") from None
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any | None, model_path: str) -> frozenset[int]:
+    """EOS ids from generation_config.json, the model config and the tokenizer, together."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+
+    try:
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except Exception:  # no generation_config.json: fine
+        pass
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return frozenset(ids)

@@ -1,0 +1,206 @@
+"""The scheduler on its own (no torch): batching limits, lookahead, rollback, preemption.
+
+A simulated worker stands in for the models: it emits a deterministic token stream per request and
+accepts a random number of drafts, which is all the scheduler can observe of a real step.
+"""
+
+import random
+
+from specbatch.kv_cache.kv_cache_manager import KVCacheManager
+from specbatch.request import FinishReason, Request
+from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
+from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
+from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.stop_checker import StopChecker
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_seqs=8, max_tokens=64, max_len=64, k=0):
+    kv = KVCacheManager(num_blocks, block_size)
+    sched = Scheduler(
+        SchedulerLimits(max_seqs, max_tokens, max_len),
+        kv,
+        StopChecker(None),
+        policy=FixedDraftLength(k),
+        speculative=k > 0,
+    )
+    return sched, kv
+
+
+def request(rid, prompt_len, max_tokens, max_len=64, **kw):
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
+        max_model_len=max_len,
+    )
+
+
+def simulate(plan: SchedulerOutput, rng: random.Random) -> StepResult:
+    """Emit position-derived tokens; accept a random prefix of the drafts."""
+    out = StepResult()
+    for sr in plan.requests:
+        if sr.sample:
+            a = rng.randint(0, sr.num_draft)
+            base = sr.target_start + len(sr.target_token_ids)
+            out.results[sr.request_id] = RequestStepResult(
+                token_ids=[1000 + base + i for i in range(a + 1)], num_accepted=a
+            )
+    return out
+
+
+def check_invariants(sched: Scheduler, kv: KVCacheManager, plan: SchedulerOutput) -> None:
+    used = 0
+    for req in sched.running:
+        table = kv.block_table(req.request_id)
+        used += len(table)
+    assert used == kv.num_used_blocks
+    for sr in plan.requests:
+        need = sr.target_start + len(sr.target_token_ids) + sr.num_draft
+        assert len(sr.block_table) * kv.block_size >= need
+        assert sr.draft_start <= sr.target_start or not sr.draft_token_ids
+
+
+def run_to_completion(sched, kv, rng, abort_prob=0.0, max_steps=10_000):
+    finished = {}
+    steps = 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps < max_steps, "no progress"
+        plan = sched.schedule()
+        assert plan.requests, "deadlock: nothing scheduled"
+        check_invariants(sched, kv, plan)
+        assert plan.num_target_tokens <= sched.limits.max_num_batched_tokens
+        assert len(plan.requests) <= sched.limits.max_num_seqs
+        for req in sched.update(plan, simulate(plan, rng)):
+            if req.is_finished:
+                finished[req.request_id] = req
+        if abort_prob and rng.random() < abort_prob and sched.running:
+            victim = rng.choice(sched.running + list(sched.waiting))
+            for req in sched.abort([victim.request_id]):
+                finished[req.request_id] = req
+    return finished
+
+
+def test_limits_on_sequences_and_tokens_with_chunked_prefill():
+    sched, kv = make_scheduler(max_seqs=2, max_tokens=10)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", prompt_len=7, max_tokens=3))
+    plan = sched.schedule()
+    # r0 fully (7 tokens), r1 gets a 3-token chunk, r2 waits (token budget spent)
+    assert [(r.request_id, len(r.target_token_ids), r.sample) for r in plan.requests] == [
+        ("r0", 7, True),
+        ("r1", 3, False),
+    ]
+    sched.update(plan, simulate(plan, random.Random(0)))
+    plan = sched.schedule()
+    assert [(r.request_id, len(r.target_token_ids)) for r in plan.requests] == [("r0", 1), ("r1", 4)]
+    assert sched.num_waiting == 1  # max_num_seqs=2
+
+
+def test_every_request_finishes_with_its_tokens_and_no_block_leaks():
+    rng = random.Random(1)
+    sched, kv = make_scheduler(num_blocks=40, k=3, max_tokens=32)
+    for i in range(20):
+        sched.add_request(request(f"r{i}", rng.randint(1, 20), rng.randint(1, 30)))
+    finished = run_to_completion(sched, kv, rng)
+    assert len(finished) == 20
+    for req in finished.values():
+        assert req.finish_reason is FinishReason.LENGTH
+        assert len(req.output_token_ids) == req.sampling_params.max_tokens
+        # tokens are a function of their position: rollback and recompute kept them consistent
+        p = req.num_prompt_tokens
+        assert req.output_token_ids == [1000 + p + i for i in range(len(req.output_token_ids))]
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_preemption_under_a_tiny_pool_never_deadlocks_or_leaks():
+    rng = random.Random(2)
+    # 16 blocks of 4 = 64 slots: exactly one max-length request fits
+    sched, kv = make_scheduler(num_blocks=16, block_size=4, max_len=64, k=4, max_tokens=64)
+    for i in range(10):
+        sched.add_request(request(f"r{i}", rng.randint(5, 30), 40))
+    finished = run_to_completion(sched, kv, rng)
+    assert len(finished) == 10
+    assert sched.num_preemptions > 0
+    for req in finished.values():
+        assert len(req.output_token_ids) == min(40, 64 - req.num_prompt_tokens)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_aborts_at_random_times_return_every_block():
+    rng = random.Random(3)
+    sched, kv = make_scheduler(num_blocks=24, k=2)
+    for i in range(30):
+        sched.add_request(request(f"r{i}", rng.randint(1, 12), rng.randint(1, 20)))
+    finished = run_to_completion(sched, kv, rng, abort_prob=0.2)
+    assert len(finished) == 30
+    assert any(r.finish_reason is FinishReason.ABORT for r in finished.values())
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_rollback_moves_counters_and_truncates_the_table():
+    sched, kv = make_scheduler(num_blocks=32, block_size=4, k=6)
+    sched.add_request(request("a", prompt_len=7, max_tokens=50))
+    plan = sched.schedule()
+    sched.update(plan, StepResult({"a": RequestStepResult([100], 0)}))  # prefill: 8 tokens
+    plan = sched.schedule()
+    (sr,) = plan.requests
+    assert sr.num_draft == 6 and sr.target_token_ids == [100] and sr.target_start == 7
+    assert sr.draft_token_ids == [100]  # the draft read the prompt alongside the target
+    assert len(sr.block_table) == 4  # slots 0..14: 8 known tokens + 6 drafts + 1
+    sched.update(plan, StepResult({"a": RequestStepResult([101, 102, 103], 2)}))
+    req = sched.requests["a"]
+    assert req.num_computed == 10 and req.num_tokens == 11
+    assert req.num_draft_computed == 10  # the draft saw d1, d2 (accepted), not d3..
+    assert len(kv.block_table("a")) == 3
+    # all accepted: the draft lags the target by one
+    plan = sched.schedule()
+    (sr,) = plan.requests
+    assert sr.draft_token_ids == [103]
+    sched.update(plan, StepResult({"a": RequestStepResult(list(range(7)), 6)}))
+    assert req.num_computed == 17 and req.num_draft_computed == 16
+    plan = sched.schedule()
+    assert plan.requests[0].draft_token_ids == [5, 6]
+
+
+def test_draft_length_shrinks_before_any_preemption():
+    for num_blocks, gamma_b in ((6, 0), (7, 4)):
+        sched, kv = make_scheduler(num_blocks=num_blocks, block_size=4, max_len=24, k=8)
+        for rid in "ab":
+            sched.add_request(request(rid, prompt_len=7, max_tokens=10, max_len=24))
+        plan = sched.schedule()  # both prefill: 2 blocks each
+        sched.update(plan, StepResult({r: RequestStepResult([1], 0) for r in "ab"}))
+        plan = sched.schedule()
+        by_id = {r.request_id: r for r in plan.requests}
+        assert plan.num_preempted == 0 and set(by_id) == {"a", "b"}
+        assert by_id["a"].num_draft == 8  # 8 known tokens + 8 drafts: 4 blocks
+        assert by_id["b"].num_draft == gamma_b  # what the remaining blocks allow
+        assert kv.num_free_blocks == 0 or gamma_b == 0
+
+
+def test_never_drafts_past_max_tokens_or_max_model_len():
+    sched, kv = make_scheduler(num_blocks=64, k=8, max_len=20)
+    sched.add_request(request("a", prompt_len=5, max_tokens=4, max_len=20))
+    sched.add_request(request("b", prompt_len=15, max_tokens=100, max_len=20))
+    plan = sched.schedule()
+    sched.update(plan, StepResult({r.request_id: RequestStepResult([7], 0) for r in plan.requests}))
+    plan = sched.schedule()
+    by_id = {r.request_id: r for r in plan.requests}
+    assert by_id["a"].num_draft == 2  # 1 emitted, 3 left: 2 drafts + 1 bonus
+    assert by_id["b"].num_draft == 3  # 16 of 20 tokens known: 3 drafts + 1 bonus fill it
+    results = {"a": RequestStepResult([1, 2, 3], 2), "b": RequestStepResult([1, 2, 3, 4], 3)}
+    sched.update(plan, StepResult(results))
+    assert not sched.has_unfinished()
+
+
+def test_stop_token_inside_an_accepted_run_ends_the_request_there():
+    sched, kv = make_scheduler(k=4)
+    sched.add_request(request("a", prompt_len=3, max_tokens=20, stop_token_ids=[42]))
+    plan = sched.schedule()
+    sched.update(plan, StepResult({"a": RequestStepResult([5], 0)}))
+    plan = sched.schedule()
+    (req,) = sched.update(plan, StepResult({"a": RequestStepResult([6, 42, 8, 9], 3)}))
+    assert req.output_token_ids == [5, 6, 42]
+    assert req.finish_reason is FinishReason.STOP and req.stop_reason == 42
+    assert kv.num_free_blocks == kv.num_blocks
