@@ -44,7 +44,7 @@ def architecture_of(hf_config: Any) -> str:
         model_type = getattr(hf_config, "model_type", None)
         if model_type in by_type:
             return SUPPORTED_ARCHITECTURES[by_type[model_type]]
-        return f"<none; model_type={model_type!r}>"
+        return f"(none listed; model_type '{model_type}')"
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch

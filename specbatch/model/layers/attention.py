@@ -54,6 +54,13 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Build the tensors from host lists (tests and simple runners; O(T) Python work)."""
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if not 1 <= q_len <= s_len:
+                raise ValueError(
+                    f"attention metadata: need 1 <= q_len <= seq_len, got {q_len}, {s_len}"
+                )
+            if len(table) * block_size < s_len:
+                raise ValueError("attention metadata: block table too narrow for its sequence")
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -140,6 +147,13 @@ def write_kv(
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean "may attend" mask -> 0 where True, -inf where False."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
+
+
 @dataclass
 class _ShortGroup:
     """Index tensors that batch every short-query sequence into one padded SDPA call."""
@@ -148,6 +162,15 @@ class _ShortGroup:
     out_index: torch.Tensor  # [Bs * max_q] destination rows; padding rows go to the trash row T
     kv_slots: torch.Tensor  # [Bs, max_k] cache slots (padding keys repeat the sequence's slot 0)
     mask: torch.Tensor  # [Bs, 1, max_q, max_k] bool, True = may attend
+    additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as 0 / -inf in ``dtype``: CPU SDPA runs about twice as fast with it."""
+        m = self.additive.get(dtype)
+        if m is None:
+            m = additive_mask(self.mask, dtype)
+            self.additive[dtype] = m
+        return m
 
 
 @dataclass
@@ -171,6 +194,7 @@ class TorchAttentionBackend(AttentionBackend):
     Every sequence whose query is short (decode, verification: ``q_len <= short_query_max``) goes
     through one padded ``scaled_dot_product_attention`` call, its keys gathered from the paged
     cache with one index op; only long queries (prefills) are handled one sequence at a time.
+    Index tensors and masks are built once per forward and reused by every layer.
     """
 
     name = "torch"
@@ -198,11 +222,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = q.new_empty(t + 1, hq, d)  # the last row collects padding rows
         if plan.short is not None:
             g = plan.short
+            bsz, max_q = g.q_index.shape
+            max_k = g.kv_slots.shape[1]
+            slots = g.kv_slots.view(-1)
             o = F.scaled_dot_product_attention(
-                q[g.q_index].transpose(1, 2),
-                k_flat[g.kv_slots].transpose(1, 2),
-                v_flat[g.kv_slots].transpose(1, 2),
-                attn_mask=g.mask,
+                q.index_select(0, g.q_index.view(-1)).view(bsz, max_q, hq, d).transpose(1, 2),
+                k_flat.index_select(0, slots).view(bsz, max_k, hkv, d).transpose(1, 2),
+                v_flat.index_select(0, slots).view(bsz, max_k, hkv, d).transpose(1, 2),
+                attn_mask=g.additive_mask(q.dtype),
                 scale=scale,
                 enable_gqa=gqa,
             )
@@ -211,11 +238,12 @@ class TorchAttentionBackend(AttentionBackend):
             if s.kv_slots is None:
                 ks, vs = k[s.start : s.end], v[s.start : s.end]
             else:
-                ks, vs = k_flat[s.kv_slots], v_flat[s.kv_slots]
+                ks = k_flat.index_select(0, s.kv_slots)
+                vs = v_flat.index_select(0, s.kv_slots)
             mask = None
             if s.q_len != s.seq_len:
                 mask = torch.ones(s.q_len, s.seq_len, dtype=torch.bool, device=q.device)
-                mask = mask.tril(diagonal=s.seq_len - s.q_len)
+                mask = additive_mask(mask.tril(diagonal=s.seq_len - s.q_len), q.dtype)
             o = F.scaled_dot_product_attention(
                 q[s.start : s.end].transpose(0, 1).unsqueeze(0),
                 ks.to(q.dtype).transpose(0, 1).unsqueeze(0),

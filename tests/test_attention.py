@@ -1,0 +1,166 @@
+"""TorchAttentionBackend against a naive per-sequence, per-position reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specbatch.errors import InvalidInputError
+from specbatch.model.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    select_backend,
+)
+
+BLOCK_SIZE = 4
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    scale: float,
+) -> torch.Tensor:
+    """Reads every key position by position through the block table; float64 softmax."""
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    hq = q.shape[1]
+    out = torch.empty_like(q)
+    row = 0
+    for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
+        keys = torch.stack([k_cache[table[p // bs], p % bs] for p in range(s_len)])  # [S,Hkv,D]
+        vals = torch.stack([v_cache[table[p // bs], p % bs] for p in range(s_len)])
+        for i in range(q_len):
+            visible = s_len - q_len + i + 1
+            for h in range(hq):
+                kh = keys[:visible, h // (hq // hkv)].double()
+                vh = vals[:visible, h // (hq // hkv)].double()
+                w = torch.softmax(kh @ q[row + i, h].double() * scale, dim=0)
+                out[row + i, h] = (w @ vh).to(q.dtype)
+        row += q_len
+    return out
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, ...] | tuple:
+    """Random q/k/v, caches holding random earlier context (NaN in every unused slot) and
+    shuffled, non-contiguous block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(ids[used : used + n])
+        used += n
+    k_cache = torch.full((num_blocks, BLOCK_SIZE, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
+        for p in range(s_len - q_len):  # earlier context, already cached
+            k_cache[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = torch.randn(hkv, d, generator=gen)
+            v_cache[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = torch.randn(hkv, d, generator=gen)
+    t = sum(query_lens)
+    q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, BLOCK_SIZE)
+    return q, k, v, k_cache, v_cache, meta, tables
+
+
+# prompt (long), decode, verification, long chunk on top of context, short prompt, short chunk
+MIXED_Q = [20, 1, 4, 18, 16, 5]
+MIXED_S = [20, 13, 30, 41, 16, 9]
+
+
+@pytest.mark.parametrize("short_query_max", [0, 4, 16, 64])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 4), (6, 1)])
+def test_mixed_batch_matches_naive(short_query_max: int, hq: int, hkv: int) -> None:
+    d, scale = 8, 8**-0.5
+    q, k, v, k_cache, v_cache, meta, tables = make_batch(MIXED_Q, MIXED_S, hq, hkv, d)
+    backend = TorchAttentionBackend(short_query_max=short_query_max)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    # the new tokens' K/V were written at their slots
+    flat_k = k_cache.view(-1, hkv, d)
+    torch.testing.assert_close(flat_k[meta.slot_mapping], k)
+    torch.testing.assert_close(v_cache.view(-1, hkv, d)[meta.slot_mapping], v)
+    ref = naive_attention(q, k_cache, v_cache, MIXED_Q, MIXED_S, tables, scale)
+    assert out.shape == q.shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_all_decode_batch_and_metadata_reuse_across_layers() -> None:
+    q_lens, s_lens = [1] * 7, [1, 2, 5, 9, 4, 17, 3]
+    q, k, v, k_cache, v_cache, meta, tables = make_batch(q_lens, s_lens, 4, 2, 16, seed=3)
+    backend = TorchAttentionBackend()
+    out1 = backend.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    ref = naive_attention(q, k_cache, v_cache, q_lens, s_lens, tables, 0.25)
+    torch.testing.assert_close(out1, ref, atol=1e-5, rtol=1e-5)
+    assert meta.derived, "the plan should be memoised on the metadata for the next layer"
+    # a second "layer" with its own cache reuses the plan
+    k_cache2, v_cache2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    k_cache2.copy_(torch.nan_to_num(k_cache, nan=0.0))
+    v_cache2.copy_(torch.nan_to_num(v_cache, nan=0.0))
+    out2 = backend.forward(q, k, v, k_cache2, v_cache2, meta, 0.25)
+    torch.testing.assert_close(out2, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close_to_float32() -> None:
+    q, k, v, kc, vc, meta, tables = make_batch(MIXED_Q, MIXED_S, 4, 2, 16, dtype=torch.bfloat16)
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.25)
+    assert out.dtype == torch.bfloat16
+    ref = naive_attention(q.float(), kc.float(), vc.float(), MIXED_Q, MIXED_S, tables, 0.25)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_metadata_from_lists_slots() -> None:
+    meta = AttentionMetadata.from_lists([2, 1], [6, 3], [[5, 2], [7]], block_size=4)
+    # seq 0: positions 4, 5 -> block 2 offsets 0, 1; seq 1: position 2 -> block 7 offset 2
+    assert meta.slot_mapping.tolist() == [8, 9, 30]
+    assert meta.query_start_loc.tolist() == [0, 2, 3]
+    assert meta.block_tables.tolist() == [[5, 2], [7, 0]]
+    assert meta.num_seqs == 2 and meta.num_tokens == 3
+    with pytest.raises(ValueError, match="q_len"):
+        AttentionMetadata.from_lists([4], [3], [[0]], block_size=4)
+    with pytest.raises(ValueError, match="too narrow"):
+        AttentionMetadata.from_lists([1], [9], [[0, 1]], block_size=4)
+
+
+class _Paged256(AttentionBackend):
+    name = "paged256"
+    block_size_multiple = 256
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+def test_check_block_size() -> None:
+    TorchAttentionBackend.check_block_size(1)
+    TorchAttentionBackend.check_block_size(16)
+    for bad in (0, -4, 2.5, "16"):
+        with pytest.raises(InvalidInputError, match="block_size must be a positive integer"):
+            TorchAttentionBackend.check_block_size(bad)  # type: ignore[arg-type]
+    _Paged256.check_block_size(512)
+    with pytest.raises(InvalidInputError, match="block_size must be a positive multiple of 256"):
+        _Paged256.check_block_size(16)
+
+
+def test_select_backend() -> None:
+    assert isinstance(select_backend("cpu"), TorchAttentionBackend)
+    assert isinstance(select_backend(torch.device("cpu"), "torch"), TorchAttentionBackend)
+    with pytest.raises(InvalidInputError, match="attention_backend 'flash' is not available"):
+        select_backend("cpu", "flash")
