@@ -75,6 +75,7 @@ def run_schedule(
     """Feed each sequence's tokens step by step through the paged cache; return, per sequence,
     the logits at every position ``[len, vocab]``."""
     rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
     lengths = [len(t) for t in tokens]
     tables, num_blocks = _block_tables(lengths, rng)
     caches = model.allocate_kv_caches(num_blocks, BLOCK_SIZE)
@@ -100,7 +101,7 @@ def run_schedule(
             row += len(ids)
             done[b] += len(ids)
         if step in REJECT_AFTER:  # speculative tokens that all get rejected: not advanced
-            wrong = [(b, torch.randint(3, model.vocab_size, (3,))) for b, _ in batch]
+            wrong = [(b, torch.randint(3, model.vocab_size, (3,), generator=gen)) for b, _ in batch]
             forward(wrong)
     assert done == lengths
     return [torch.cat(chunks) for chunks in logits]
@@ -301,3 +302,55 @@ def test_dynamic_rope_rejected(
 
 def test_single_group_is_default() -> None:
     assert SINGLE.size == 1 and SINGLE.rank == 0
+
+
+# --- tensor parallelism over gloo (two CPU processes) ---------------------------------------
+
+TP_CASES: list[tuple[str, dict[str, Any]]] = [
+    # vocab 255 does not split evenly: the last rank's rows are padded
+    ("llama", {"vocab_size": 255, "attention_bias": True, "mlp_bias": True}),
+    ("qwen3", {"vocab_size": 255, "tie_word_embeddings": True, "attention_bias": True}),
+]
+
+
+def _tp_worker(rank: int, world: int, init_file: str, paths: list[str], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tp = TensorParallelGroup(rank=rank, size=world, group=dist.group.WORLD)
+        results = []
+        for path in paths:
+            model = load_model(path, torch.float32, "cpu", tp)
+            assert model.num_kv_heads_local == 2 // world
+            lengths = [sum(step[b] for step in SCHEDULE) for b in range(len(SCHEDULE[0]))]
+            results.append(run_schedule(model, random_tokens(lengths, 255), SCHEDULE))
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+def test_tensor_parallel_2_matches_single(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Each rank loads only its shard; logits (gathered on every rank) match the unsharded model."""
+    import torch.multiprocessing as mp
+
+    paths = [make_checkpoint(arch, **kwargs) for arch, kwargs in TP_CASES]
+    args = (2, str(tmp_path / "init"), [str(p) for p in paths], str(tmp_path))
+    mp.spawn(_tp_worker, args=args, nprocs=2, join=True)
+    rank0 = torch.load(tmp_path / "rank0.pt")
+    rank1 = torch.load(tmp_path / "rank1.pt")
+    for path, got0, got1 in zip(paths, rank0, rank1, strict=True):
+        model = load_model(path, torch.float32, "cpu")
+        lengths = [len(x) for x in got0]
+        want = run_schedule(model, random_tokens(lengths, 255), SCHEDULE)
+        for a, b, w in zip(got0, got1, want, strict=True):
+            assert a.shape == w.shape == (w.shape[0], 255)
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+            torch.testing.assert_close(a, w, atol=1e-4, rtol=1e-4)

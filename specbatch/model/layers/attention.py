@@ -147,6 +147,29 @@ def write_kv(
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+# scaled_dot_product_attention takes enable_gqa from torch 2.5 on; before, repeat the KV heads.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``[B, Hq, Lq, D]`` x ``[B, Hkv, Lk, D]`` attention; causal (top-left) when mask is None."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and not _SDPA_HAS_GQA:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
+    extra = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
+    )
+
+
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean "may attend" mask -> 0 where True, -inf where False."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
@@ -215,7 +238,6 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
-        gqa = hq != hkv
         k_flat = k_cache.view(-1, hkv, d)
         v_flat = v_cache.view(-1, hkv, d)
         plan = self._plan(meta, k_cache.shape[1], t)
@@ -225,13 +247,12 @@ class TorchAttentionBackend(AttentionBackend):
             bsz, max_q = g.q_index.shape
             max_k = g.kv_slots.shape[1]
             slots = g.kv_slots.view(-1)
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 q.index_select(0, g.q_index.view(-1)).view(bsz, max_q, hq, d).transpose(1, 2),
                 k_flat.index_select(0, slots).view(bsz, max_k, hkv, d).transpose(1, 2),
                 v_flat.index_select(0, slots).view(bsz, max_k, hkv, d).transpose(1, 2),
-                attn_mask=g.additive_mask(q.dtype),
-                scale=scale,
-                enable_gqa=gqa,
+                g.additive_mask(q.dtype),
+                scale,
             )
             out.index_copy_(0, g.out_index, o.transpose(1, 2).reshape(-1, hq, d))
         for s in plan.long:
@@ -244,14 +265,12 @@ class TorchAttentionBackend(AttentionBackend):
             if s.q_len != s.seq_len:
                 mask = torch.ones(s.q_len, s.seq_len, dtype=torch.bool, device=q.device)
                 mask = additive_mask(mask.tril(diagonal=s.seq_len - s.q_len), q.dtype)
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 q[s.start : s.end].transpose(0, 1).unsqueeze(0),
                 ks.to(q.dtype).transpose(0, 1).unsqueeze(0),
                 vs.to(q.dtype).transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=gqa,
+                mask,
+                scale,
             )
             out[s.start : s.end] = o[0].transpose(0, 1)
         return out[:t]

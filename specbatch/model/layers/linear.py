@@ -39,12 +39,15 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y_local = x @ W_local^T + b_local``, with ``W`` split along its output dimension."""
+    """``y_local = x @ W_local^T + b_local``, with ``W`` split along its output dimension.
+
+    ``output_sizes`` is one size, or several for a fused layer (each part split on its own).
+    """
 
     def __init__(
         self,
         input_size: int,
-        output_sizes: Sequence[int],
+        output_sizes: int | Sequence[int],
         *,
         bias: bool,
         tp: TensorParallelGroup,
@@ -55,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.input_size = input_size
-        self.output_sizes = list(output_sizes)
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.local_sizes = [divide(n, tp.size, "output_size") for n in self.output_sizes]
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         self.shard_names = list(shard_names) if shard_names is not None else None
