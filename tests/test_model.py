@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -343,7 +344,15 @@ def test_tensor_parallel_2_matches_single(
 
     paths = [make_checkpoint(arch, **kwargs) for arch, kwargs in TP_CASES]
     args = (2, str(tmp_path / "init"), [str(p) for p in paths], str(tmp_path))
-    mp.spawn(_tp_worker, args=args, nprocs=2, join=True)
+    # fork (where there is one) saves each rank re-importing torch and transformers
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.start_processes(_tp_worker, args=args, nprocs=2, join=False, start_method=method)
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("tensor-parallel workers did not finish within 180 s")
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")
     for path, got0, got1 in zip(paths, rank0, rank1, strict=True):
