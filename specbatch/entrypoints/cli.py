@@ -1,0 +1,59 @@
+"""The ``specbatch`` command: ``specbatch generate ...``, ``specbatch verify ...``.
+
+Every user error (a bad flag value, a model directory that is not a checkpoint, a KV budget too
+small, a missing file) ends as ``error: <message>`` on stderr with exit status 2, never a
+traceback. Ctrl-C exits with status 130.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from specbatch import __version__
+from specbatch.entrypoints import generate, verify
+from specbatch.entrypoints.engine_flags import CliParser, flag_message
+from specbatch.errors import InvalidInputError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> CliParser:
+    parser = CliParser(
+        prog="specbatch",
+        description="Speculative decoding inside continuous batching over a paged KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"specbatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    generate.add_parser(sub)
+    verify.add_parser(sub)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error (already printed)
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except InvalidInputError as e:
+        return _error(flag_message(str(e), extra_fields=(*generate.FIELDS, *verify.FIELDS)))
+    except OSError as e:
+        where = f"'{e.filename}': " if getattr(e, "filename", None) else ""
+        return _error(f"{where}{e.strerror or e}")
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

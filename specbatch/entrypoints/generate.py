@@ -1,0 +1,310 @@
+"""``specbatch generate``: run every prompt of a file, writing results as they complete."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from specbatch.engine.llm_engine import LLMEngine
+from specbatch.entrypoints.engine_flags import (
+    add_engine_flags,
+    add_sampling_flags,
+    check_sampling_flags,
+    engine_args_from,
+    sampling_kwargs_from,
+)
+from specbatch.entrypoints.prompts_file import PromptLine, PromptsFile, read_prompts
+from specbatch.errors import InvalidInputError
+from specbatch.outputs import RequestOutput
+from specbatch.sampling_params import SamplingParams
+
+FIELDS = ("prompts", "output", "resume")  # flag-named fields in this command's messages
+SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + index, unless the line sets one
+SEED_MODULUS = 1 << 63
+
+DESCRIPTION = """\
+Generate a completion for every prompt in FILE and write one JSON line per prompt to OUT, in
+the order requests finish, flushing each line as soon as it is written.
+
+FILE formats (chosen by extension):
+  .txt    one prompt per non-blank line, taken literally: escapes such as \\n are NOT
+          interpreted, and blank lines are skipped. Use .jsonl for multi-line prompts.
+  .jsonl  one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [1, 2, 3]},
+          optionally "id" (copied to the output) and per-line sampling fields that override
+          the flags: temperature, top_p, top_k, min_p, max_tokens, seed, stop,
+          stop_token_ids, ignore_eos.
+
+Each output line holds "index" (the prompt's position among FILE's non-blank lines, from 0,
+malformed lines included), "id", "prompt", "text", "token_ids", "finish_reason",
+"num_prompt_tokens", "num_output_tokens", "ttft_s", "e2e_s" and, when speculating,
+"acceptance_rate" and "mean_tokens_per_round".
+
+Malformed lines are reported as FILE:LINE: message and skipped; the others still run, and the
+exit status is then 1. Random sampling is reproducible: a prompt without its own "seed" uses
+seed = --seed * 1000003 + index, so a rerun or a --resume gives the same results. Ctrl-C
+aborts the requests in flight, keeps what was written and exits with status 130; rerun with
+--resume to finish. Exit status: 0 all done, 1 some lines rejected, 2 usage or setup error."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate completions for a file of prompts",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prompts", required=True, metavar="FILE", help="prompts file (.txt or .jsonl)")
+    p.add_argument(
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="results file (JSON lines); overwritten unless --resume",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the results already in OUT "
+        "(a truncated last line is dropped) and run only the missing prompts",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_sampling_flags(p)
+    add_engine_flags(
+        p,
+        help_overrides={
+            "seed": "base seed: a prompt without its own seed uses seed * 1000003 + its index",
+        },
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+# ---- output file ---------------------------------------------------------------------------
+
+
+def _same_prompt(record: dict[str, Any], line: PromptLine) -> bool:
+    if isinstance(line.prompt, str):
+        return record.get("prompt") == line.prompt
+    return record.get("prompt_token_ids") == line.prompt
+
+
+def load_finished(out: Path, prompts: PromptsFile) -> set[int]:
+    """Indices already in ``out``. Drops (truncates away) an unreadable last line, the trace of
+    an interrupted write; any other unreadable line, or a line whose prompt is not the prompt
+    file's at that index, is an error: appending to it would mix two runs."""
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    by_index = {p.index: p for p in prompts.prompts}
+    done: set[int] = set()
+    offset = 0
+    lines = data.split(b"\n")
+    for n, raw in enumerate(lines, start=1):
+        end = offset + len(raw) + 1
+        if raw.strip():
+            try:
+                record = json.loads(raw)
+                index = record["index"]
+                if isinstance(index, bool) or not isinstance(index, int):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                if all(not rest.strip() for rest in lines[n:]):
+                    with out.open("r+b") as f:  # the interrupted last write
+                        f.truncate(offset)
+                    break
+                raise InvalidInputError(
+                    f"resume: {out}:{n} is not a result line written by specbatch generate; "
+                    "refusing to append to it"
+                ) from None
+            line = by_index.get(index)
+            if line is None and not any(e.index == index for e in prompts.errors):
+                raise InvalidInputError(
+                    f"resume: {out}:{n} has index {index}, but {prompts.path} has no prompt "
+                    "there; was OUT written from another prompts file?"
+                )
+            if line is not None and not _same_prompt(record, line):
+                raise InvalidInputError(
+                    f"resume: {out}:{n} holds another prompt than {prompts.where(line.line_no)} "
+                    f"(index {index}); was OUT written from another prompts file?"
+                )
+            done.add(index)
+        offset = end
+    if data and not data.endswith(b"\n") and out.stat().st_size == len(data):
+        with out.open("ab") as f:  # a complete last line without its newline
+            f.write(b"\n")
+    return done
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def result_record(
+    line: PromptLine, out: RequestOutput, has_tokenizer: bool, speculative: bool
+) -> dict[str, Any]:
+    c, m = out.outputs[0], out.metrics
+    record: dict[str, Any] = {
+        "index": line.index,
+        "id": line.id,
+        "prompt": line.prompt if isinstance(line.prompt, str) else None,
+    }
+    if not isinstance(line.prompt, str):
+        record["prompt_token_ids"] = list(line.prompt)
+    record.update(
+        text=c.text if has_tokenizer else None,
+        token_ids=list(c.token_ids),
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        num_prompt_tokens=m.num_prompt_tokens,
+        num_output_tokens=len(c.token_ids),
+        ttft_s=_rounded(m.time_to_first_token),
+        e2e_s=_rounded(m.e2e_latency),
+        tpot_s=_rounded(m.time_per_output_token),
+    )
+    if speculative:
+        record.update(
+            spec_rounds=m.spec_rounds,
+            draft_tokens_proposed=m.draft_tokens_proposed,
+            draft_tokens_accepted=m.draft_tokens_accepted,
+            acceptance_rate=_rounded(m.acceptance_rate),
+            mean_tokens_per_round=_rounded(m.mean_tokens_per_round),
+        )
+    return record
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def line_params(base: dict[str, Any], line: PromptLine, seed: int) -> SamplingParams:
+    derived = (seed * SEED_STRIDE + line.index) % SEED_MODULUS  # a generator takes < 2**64
+    kwargs = {**base, "seed": derived, **line.overrides}
+    own = kwargs["seed"]
+    if isinstance(own, int) and not isinstance(own, bool) and not 0 <= own < 1 << 64:
+        raise InvalidInputError(f"seed must be in [0, 2**64), got {own}")
+    return SamplingParams(**kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    base_params = sampling_kwargs_from(args)
+    check_sampling_flags(args)
+    try:
+        prompts = read_prompts(args.prompts)
+    except OSError as e:
+        raise InvalidInputError(
+            f"prompts: cannot read '{args.prompts}': {e.strerror or e}"
+        ) from None
+    for w in prompts.warnings:
+        _say(f"{prompts.where(w.line_no)}: warning: {w.message}")
+    out_path = Path(args.output)
+    done = load_finished(out_path, prompts) if args.resume else set()
+    try:
+        sink = out_path.open("a", encoding="utf-8")  # fails early if OUT is not writable
+    except OSError as e:
+        raise InvalidInputError(f"output: cannot write '{out_path}': {e.strerror or e}") from None
+    with sink:
+        engine = LLMEngine.from_engine_args(engine_args_from(args))
+        try:
+            if not args.resume:
+                sink.truncate(0)
+            return _generate(engine, args, prompts, base_params, done, sink)
+        finally:
+            engine.shutdown()
+
+
+def _generate(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    prompts: PromptsFile,
+    base_params: dict[str, Any],
+    done: set[int],
+    sink: IO[str],
+) -> int:
+    if prompts.format == "txt" and engine.tokenizer is None and prompts.prompts:
+        raise InvalidInputError(
+            f"prompts: '{prompts.path}' holds text prompts but the model has no tokenizer; "
+            'give token ids in a .jsonl file ({"prompt_token_ids": [...]})'
+        )
+    errors = [(e.line_no, e.message) for e in prompts.errors if e.index not in done]
+    pending: dict[str, PromptLine] = {}
+    try:
+        for line in prompts.prompts:
+            if line.index in done:
+                continue
+            try:
+                params = line_params(base_params, line, engine.config.seed)
+                rid = engine.add_request(line.prompt, params, request_id=str(line.index))
+            except InvalidInputError as e:
+                errors.append((line.line_no, str(e)))
+                continue
+            pending[rid] = line
+        for line_no, message in sorted(errors):
+            _say(f"{prompts.where(line_no)}: {message}")
+        return _drive(engine, args, pending, done, len(errors), sink)
+    except KeyboardInterrupt:
+        engine.abort_request(list(pending))
+        _say(
+            f"\ninterrupted: aborted {len(pending)} unfinished request(s); finished results "
+            f"are in {args.output}; rerun with --resume to complete the rest"
+        )
+        return 130
+
+
+def _drive(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    pending: dict[str, PromptLine],
+    done: set[int],
+    num_rejected: int,
+    sink: IO[str],
+) -> int:
+    from tqdm import tqdm
+
+    speculative = engine.config.speculative
+    has_tok = engine.tokenizer is not None
+    start, tokens, finished = time.perf_counter(), 0, 0
+    with tqdm(
+        total=len(pending),
+        desc="generate",
+        unit="req",
+        file=sys.stderr,
+        disable=args.no_progress,
+        dynamic_ncols=True,
+    ) as bar:
+        while pending:
+            for out in engine.step():
+                line = pending.get(out.request_id)
+                if not out.finished or line is None:
+                    continue
+                record = result_record(line, out, has_tok, speculative)
+                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+                sink.flush()
+                del pending[out.request_id]
+                finished += 1
+                tokens += record["num_output_tokens"]
+                bar.update(1)
+            if not engine.has_unfinished_requests() and pending:
+                raise RuntimeError(f"requests {sorted(pending)[:5]} vanished from the engine")
+    elapsed = time.perf_counter() - start
+    parts = [f"generate: {finished} request(s) done"]
+    if done:
+        parts.append(f"{len(done)} already in {args.output}")
+    if num_rejected:
+        parts.append(f"{num_rejected} line(s) rejected")
+    summary = ", ".join(parts) + (
+        f"; {tokens} output tokens in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.1f} tokens/s)"
+    )
+    spec = engine.metrics.summary() if speculative else {}
+    if spec.get("acceptance_rate") is not None:
+        summary += (
+            f"; acceptance rate {spec['acceptance_rate']:.3f}, "
+            f"{spec['mean_tokens_per_round']:.2f} tokens per round"
+        )
+    _say(summary)
+    return 1 if num_rejected else 0
