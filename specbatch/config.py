@@ -18,8 +18,21 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
-               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "T": 1e12}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1e3,
+    "KB": 1e3,
+    "M": 1e6,
+    "MB": 1e6,
+    "G": 1e9,
+    "GB": 1e9,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "T": 1e12,
+}
 
 
 def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> int:
@@ -63,7 +76,9 @@ def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     if not isinstance(stored, torch.dtype) or stored not in (
-        torch.float32, torch.float16, torch.bfloat16
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
     ):
         stored = torch.float32
     if device == "cpu":
@@ -179,12 +194,12 @@ class EngineArgs:
             )
 
         model_path = self.model or default_model_path("target")
-        target = self._model_config(model_path, "model", self.tokenizer, device)
+        target = self._model_config(model_path, "model", self.tokenizer, device, self.dtype)
         draft = None
         k = self.num_speculative_tokens
         if self.draft_model is not None or (self.model is None and k):
             draft_path = self.draft_model or default_model_path("draft")
-            draft = self._model_config(draft_path, "draft_model", None, device)
+            draft = self._model_config(draft_path, "draft_model", None, device, self.dtype)
             check_same_vocabulary(target, draft)
             if k is None:
                 k = 4
@@ -224,7 +239,9 @@ class EngineArgs:
                 f"distributed_executor_backend must be 'uni' or 'ray', got {backend!r}"
             )
         if backend == "uni" and tp > 1:
-            raise InvalidInputError("tensor_parallel_size > 1 needs distributed_executor_backend='ray'")
+            raise InvalidInputError(
+                "tensor_parallel_size > 1 needs distributed_executor_backend='ray'"
+            )
         if self.kv_cache_memory is None and self.num_kv_blocks is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
         return EngineConfig(
@@ -248,18 +265,22 @@ class EngineArgs:
         )
 
     @staticmethod
-    def _model_config(path: str, field_name: str, tokenizer: str | None, device: str) -> ModelConfig:
-        from specbatch.model.loader import load_hf_config
+    def _model_config(
+        path: str, field_name: str, tokenizer: str | None, device: str, dtype: str
+    ) -> ModelConfig:
+        from specbatch.model.loader import check_config, checkpoint_files, load_hf_config
 
         try:
             hf_config = load_hf_config(path)
+            check_config(hf_config)
+            checkpoint_files(path)
         except InvalidInputError as e:
             msg = str(e)
             if msg.startswith("model") and field_name != "model":
                 msg = field_name + msg[len("model") :]
             raise InvalidInputError(msg) from None
         tok = tokenizer or (path if _has_tokenizer(path) else None)
-        return ModelConfig(str(path), hf_config, resolve_dtype("auto", hf_config, device), tok)
+        return ModelConfig(str(path), hf_config, resolve_dtype(dtype, hf_config, device), tok)
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:

@@ -73,7 +73,10 @@ class SpecStats:
     @property
     def acceptance_by_position(self) -> list[float]:
         """P(draft i accepted | draft i proposed), position by position."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+        return [
+            a / p if p else 0.0
+            for a, p in zip(self.accepted_by_position, self.proposed_by_position)
+        ]
 
     def predicted_tokens_per_round(self) -> float | None:
         """THEORY.md's E[tokens] = (1 - a^(g+1)) / (1 - a) at the measured a and mean gamma."""

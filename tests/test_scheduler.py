@@ -83,7 +83,7 @@ def run_to_completion(sched, kv, rng, abort_prob=0.0, max_steps=10_000):
 
 
 def test_limits_on_sequences_and_tokens_with_chunked_prefill():
-    sched, kv = make_scheduler(max_seqs=2, max_tokens=10)
+    sched, _ = make_scheduler(max_seqs=2, max_tokens=10)
     for i in range(3):
         sched.add_request(request(f"r{i}", prompt_len=7, max_tokens=3))
     plan = sched.schedule()
@@ -94,7 +94,10 @@ def test_limits_on_sequences_and_tokens_with_chunked_prefill():
     ]
     sched.update(plan, simulate(plan, random.Random(0)))
     plan = sched.schedule()
-    assert [(r.request_id, len(r.target_token_ids)) for r in plan.requests] == [("r0", 1), ("r1", 4)]
+    assert [(r.request_id, len(r.target_token_ids)) for r in plan.requests] == [
+        ("r0", 1),
+        ("r1", 4),
+    ]
     assert sched.num_waiting == 1  # max_num_seqs=2
 
 
@@ -180,7 +183,7 @@ def test_draft_length_shrinks_before_any_preemption():
 
 
 def test_never_drafts_past_max_tokens_or_max_model_len():
-    sched, kv = make_scheduler(num_blocks=64, k=8, max_len=20)
+    sched, _ = make_scheduler(num_blocks=64, k=8, max_len=20)
     sched.add_request(request("a", prompt_len=5, max_tokens=4, max_len=20))
     sched.add_request(request("b", prompt_len=15, max_tokens=100, max_len=20))
     plan = sched.schedule()

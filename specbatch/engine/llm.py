@@ -98,8 +98,10 @@ class LLM:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    if (
+        isinstance(prompts, (list, tuple))
+        and prompts
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
     ):
         return [list(prompts)]  # a single prompt given as token ids
     if not isinstance(prompts, (list, tuple)):

@@ -27,7 +27,9 @@ class LLMEngine:
         self.config = config
         tok_path = config.target.tokenizer_path
         self.tokenizer = load_tokenizer(tok_path) if tok_path else None
-        self.eos_token_ids = eos_token_ids(config.target.hf_config, self.tokenizer, config.target.path)
+        self.eos_token_ids = eos_token_ids(
+            config.target.hf_config, self.tokenizer, config.target.path
+        )
         self.executor = create_executor(config)
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
@@ -57,7 +59,9 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     # ---- requests --------------------------------------------------------------------------
-    def prepare_prompt(self, prompt: PromptInput, field: str = "prompt") -> tuple[str | None, list[int]]:
+    def prepare_prompt(
+        self, prompt: PromptInput, field: str = "prompt"
+    ) -> tuple[str | None, list[int]]:
         """Text and token ids of a prompt, checked against the vocabulary and max_model_len."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -83,8 +87,9 @@ class LLMEngine:
                         f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})"
                     )
         else:
+            kind = type(prompt).__name__
             raise InvalidInputError(
-                f"{field}: must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+                f"{field}: must be a string, a list of token ids or a dict, got {kind}"
             )
         if not ids:
             raise InvalidInputError(f"{field}: the prompt is empty (0 tokens)")
@@ -108,7 +113,11 @@ class LLMEngine:
             raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
         text, ids = self.prepare_prompt(prompt, field)
         rid = request_id if request_id is not None else str(next(self._ids))
-        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seeds)
+        seed = (
+            params.seed
+            if params.seed is not None
+            else self.config.seed * 1_000_003 + next(self._seeds)
+        )
         self.scheduler.add_request(
             Request(
                 request_id=rid,

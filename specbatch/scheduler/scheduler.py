@@ -110,9 +110,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            draft_tokens = (
-                req.token_slice(req.num_draft_computed, end) if self.speculative else []
-            )
+            draft_tokens = req.token_slice(req.num_draft_computed, end) if self.speculative else []
             out.requests.append(
                 ScheduledRequest(
                     request_id=rid,

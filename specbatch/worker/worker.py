@@ -72,7 +72,9 @@ class Worker:
         return n
 
     def kv_memory_budget(self) -> int:
-        """Bytes this rank may give to KV caches."""
+        """Bytes this rank may give to KV caches (unused when num_kv_blocks is given)."""
+        if self.config.num_kv_blocks is not None:
+            return 0
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
         free, _total = torch.cuda.mem_get_info(self.device)
@@ -181,15 +183,20 @@ class Worker:
         active = proposers
         for j in range(g_max):
             idx = torch.tensor(active, dtype=torch.int64, device=self.device)
-            probs = logits_to_probs(logits, _sampling_tensors([params[i] for i in active], self.device))
+            probs = logits_to_probs(
+                logits, _sampling_tensors([params[i] for i in active], self.device)
+            )
             tokens = sample(probs, draft_u[idx, j])
             drafts[idx, j] = tokens
             q[idx, j] = probs
             still = [i for i in active if gammas[i] > j + 1]
             if not still:
                 break
-            keep = torch.tensor([k for k, i in enumerate(active) if gammas[i] > j + 1],
-                                dtype=torch.int64, device=self.device)
+            keep = torch.tensor(
+                [k for k, i in enumerate(active) if gammas[i] > j + 1],
+                dtype=torch.int64,
+                device=self.device,
+            )
             active = still
             inputs = build_inputs(
                 tokens.index_select(0, keep),

@@ -1,0 +1,86 @@
+"""Test utilities: reference generations and exact sequence distributions from transformers."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from specbatch.worker.sampler import SamplingTensors, logits_to_probs
+
+
+def hf_model(path: Path | str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path: Path | str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy ``generate``, one prompt at a time (no padding effects)."""
+    model = hf_model(path)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+def make_perturbed_draft(target: Path | str, out_dir: Path, noise: float, seed: int = 0) -> Path:
+    """A draft that resembles the target: its weights plus Gaussian noise (relative scale
+    ``noise``), so acceptance is high but not 1 and every path of the sampler is exercised."""
+    model = hf_model(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@torch.inference_mode()
+def exact_joint(
+    path: Path | str,
+    prompt: list[int],
+    n_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_mass: float = 0.0,
+) -> dict[tuple[int, ...], float]:
+    """P(first ``n_tokens`` generated tokens) of plain sampling from the target, computed by
+    enumerating continuations with transformers' logits under the request's transforms.
+    Branches below ``min_mass`` are dropped (their total is negligible for the tests)."""
+    model = hf_model(path)
+    frontier: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(n_tokens):
+        seqs = list(frontier)
+        ids = torch.tensor([prompt + list(s) for s in seqs])
+        logits = model(ids).logits[:, -1].float()
+        n = len(seqs)
+        st = SamplingTensors.from_lists([temperature] * n, [top_k] * n, [top_p] * n, [0.0] * n)
+        probs = logits_to_probs(logits, st)
+        nxt: dict[tuple[int, ...], float] = {}
+        for s, row in zip(seqs, probs.tolist()):
+            base = frontier[s]
+            for tok, pr in enumerate(row):
+                mass = base * pr
+                if mass >= min_mass:
+                    nxt[(*s, tok)] = mass
+        frontier = nxt
+    total = sum(frontier.values())
+    return {s: m / total for s, m in frontier.items()}
+
+
+def all_sequences(vocab: int, n: int) -> list[tuple[int, ...]]:
+    return list(itertools.product(range(vocab), repeat=n))

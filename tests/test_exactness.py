@@ -1,0 +1,143 @@
+"""End-to-end exactness: speculative sampling through the whole engine is plain target sampling.
+
+For one prompt we sample N independent continuations (each request has its own generator) and
+compare the empirical joint distribution of the FIRST THREE generated tokens with the exact joint
+computed from the target's conditional probabilities (tests/helpers.py, via transformers), by a
+chi-square goodness-of-fit test with sparse bins pooled (expected count >= 5).
+
+False-alarm rate: each test rejects at p < 1e-3; seeds are fixed, so a run is reproducible.
+Power: with N = 6000 samples the test detects a total-variation error of a few percent in the
+3-token joint; ``test_the_test_catches_a_broken_residual`` shows it catching a real bug (the
+residual replaced by p), which shifts the joint by only a few percent.
+
+Requests generate ``gamma + 2`` tokens so that the first round after the prompt drafts its full
+gamma (drafting stops at max_tokens), while only the first three tokens are tested.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specbatch import LLM, SamplingParams
+from specbatch.stats import chi_square_gof
+from specbatch.worker import rejection_sampler
+from specbatch.worker.sampler import sample
+from tests.helpers import exact_joint, make_perturbed_draft
+
+ALPHA = 1e-3
+N = 6000
+PROMPT = [3, 4, 5, 6]
+VOCAB = 32
+
+
+@pytest.fixture(scope="module")
+def pair(make_checkpoint, tmp_path_factory):
+    target = make_checkpoint("llama", vocab_size=VOCAB, seed=3, max_position_embeddings=64)
+    draft = make_perturbed_draft(target, tmp_path_factory.mktemp("draft"), noise=0.25, seed=1)
+    return target, draft
+
+
+def sample_sequences(llm: LLM, params: list[SamplingParams]) -> list[tuple[int, ...]]:
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * len(params), params, use_tqdm=False)
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+
+
+def assert_matches(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> None:
+    keys = sorted(set(exact) | set(samples))
+    counts = Counter(samples)
+    observed = [counts.get(k, 0) for k in keys]
+    expected = [exact.get(k, 0.0) for k in keys]
+    res = chi_square_gof(observed, expected)
+    assert res.p_value >= ALPHA, (
+        f"chi-square {res.statistic:.1f} on {res.dof} dof, p={res.p_value:.2e}"
+    )
+
+
+def engine(pair, gamma: int, seed: int = 0, **kw) -> LLM:
+    target, draft = pair
+    args = dict(max_num_seqs=256, num_kv_blocks=512, block_size=4, seed=seed, max_model_len=64)
+    args.update(kw)
+    if gamma:
+        return LLM(str(target), draft_model=str(draft), num_speculative_tokens=gamma, **args)
+    return LLM(str(target), **args)
+
+
+@pytest.mark.parametrize(
+    ("gamma", "temperature", "top_p"),
+    [(1, 1.0, 1.0), (3, 1.0, 1.0), (6, 1.0, 1.0), (3, 0.7, 1.0), (6, 0.7, 1.0), (3, 1.0, 0.9)],
+)
+def test_joint_of_first_three_tokens_is_the_targets(pair, gamma, temperature, top_p):
+    llm = engine(pair, gamma, seed=gamma)
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, max_tokens=gamma + 2, ignore_eos=True)
+    ] * N
+    samples = sample_sequences(llm, params)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98  # every path is exercised
+    assert max(len(spec.proposed_by_position), 0) == gamma
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3, temperature, top_p))
+
+
+class PerRequestGamma:
+    """A policy giving each request its own draft length (by request id), as an adaptive
+    policy would: the batch mixes gammas 0, 2 and 5 in the same steps."""
+
+    max_draft_length = 5
+
+    def draft_lengths(self, requests):
+        return [(0, 2, 5)[int(r.request_id) % 3] for r in requests]
+
+
+def test_mixed_batch_of_temperatures_and_draft_lengths(pair):
+    llm = engine(pair, 5, seed=11)
+    llm.engine.scheduler.policy = PerRequestGamma()
+    temps = (1.0, 0.7)
+    params = [
+        SamplingParams(temperature=temps[i % 2], max_tokens=7, ignore_eos=True)
+        for i in range(2 * N)
+    ]
+    samples = sample_sequences(llm, params)
+    for t_index, temperature in enumerate(temps):
+        group = [s for i, s in enumerate(samples) if i % 2 == t_index]
+        assert_matches(group, exact_joint(pair[0], PROMPT, 3, temperature))
+
+
+def test_preemption_mid_request_keeps_the_distribution(pair):
+    # 12 blocks of 4 slots: a few requests at a time, preempted again and again while drafting
+    llm = engine(pair, 3, seed=5, num_kv_blocks=16, max_model_len=32, max_num_seqs=32)
+    params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * N
+    samples = sample_sequences(llm, params)
+    assert llm.engine.metrics.num_preemptions > 50
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
+
+
+def test_the_test_catches_a_broken_residual(pair, monkeypatch):
+    """Drawing the correction token from p instead of max(0, p - q) must be detected."""
+    monkeypatch.setattr(
+        "specbatch.worker.worker.rejection_sample",
+        _correction_from_p(rejection_sampler.rejection_sample),
+    )
+    llm = engine(pair, 3, seed=3)
+    params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)] * N
+    samples = sample_sequences(llm, params)
+    with pytest.raises(AssertionError):
+        assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
+
+
+def _correction_from_p(real):
+    """The real sampler, except that after a rejection the emitted token is drawn from p."""
+
+    def wrong(draft_token_ids, num_draft, draft_probs, target_probs, accept_u, final_u):
+        out = real(draft_token_ids, num_draft, draft_probs, target_probs, accept_u, final_u)
+        rows = torch.arange(len(num_draft))
+        n = out.num_accepted
+        rejected = n < num_draft
+        redrawn = sample(target_probs[rows, n], final_u)
+        out.token_ids[rows[rejected], n[rejected]] = redrawn[rejected]
+        return out
+
+    return wrong
