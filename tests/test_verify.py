@@ -195,3 +195,20 @@ def test_prompt_errors_name_the_flag(
     assert "error: --prompt-token-ids: token id 999 is outside" in capsys.readouterr().err
     with pytest.raises(InvalidInputError, match="the model has no tokenizer"):
         verify_exactness(target, draft, num_samples=2, prompt="hello", engine_kwargs=ENGINE)
+
+
+def test_greedy_agreement_passes(pair: tuple[str, str]) -> None:
+    # Greedy: every sample is the same sequence, speculative or not; one bin, nothing to pool.
+    target, draft = pair
+    report = verify_exactness(
+        target,
+        draft,
+        num_speculative_tokens=3,
+        num_samples=6,
+        num_tokens=5,
+        temperature=0.0,
+        prompt_token_ids=[1, 2, 3],
+        engine_kwargs=ENGINE,
+    )
+    assert report.distinct_speculative == report.distinct_plain == report.distinct_total == 1
+    assert report.verdict == "PASS" and report.spec_rounds > 0

@@ -45,7 +45,7 @@ malformed lines included), "id", "prompt", "text", "token_ids", "finish_reason",
 
 Malformed lines are reported as FILE:LINE: message and skipped; the others still run, and the
 exit status is then 1. Random sampling is reproducible: a prompt without its own "seed" uses
-seed = --seed * 1000003 + index, so a rerun or a --resume gives the same results. Ctrl-C
+seed = (--seed * 1000003 + index) mod 2**63, so a rerun or a --resume gives the same results. Ctrl-C
 aborts the requests in flight, keeps what was written and exits with status 130; rerun with
 --resume to finish. Exit status: 0 all done, 1 some lines rejected, 2 usage or setup error."""
 
