@@ -40,7 +40,7 @@ def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> 
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _SIZE_UNITS:
             raise InvalidInputError(

@@ -50,6 +50,8 @@ class SamplingParams:
             raise InvalidInputError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             self._check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**64:
+                raise InvalidInputError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.max_tokens is not None:
             self._check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
