@@ -26,6 +26,7 @@ def llm(make_checkpoint):
         (dict(temperature="hot"), "temperature must be a number"),
         (dict(stop=[""]), "stop strings must not be empty"),
         (dict(n=2), "n must be 1"),
+        (dict(seed=2**70), "seed must be in"),
     ],
 )
 def test_bad_sampling_parameters(kwargs, message):

@@ -113,11 +113,9 @@ class LLMEngine:
             raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
         text, ids = self.prepare_prompt(prompt, field)
         rid = request_id if request_id is not None else str(next(self._ids))
-        seed = (
-            params.seed
-            if params.seed is not None
-            else self.config.seed * 1_000_003 + next(self._seeds)
-        )
+        seed = params.seed
+        if seed is None:  # derived from the engine's seed: reproducible from run to run
+            seed = (self.config.seed * 1_000_003 + next(self._seeds)) % 2**63
         self.scheduler.add_request(
             Request(
                 request_id=rid,
