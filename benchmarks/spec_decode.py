@@ -307,7 +307,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg.llm.engine.metrics = EngineMetrics()
         cfg.log.rounds.clear()
     for r in range(args.repeats):
-        for cfg in configs:
+        # Rotate the order each repeat, so no configuration always runs in the same slot.
+        k = r % len(configs)
+        for cfg in configs[k:] + configs[:k]:
             gc.collect()
             t, outs = timed(
                 lambda c=cfg, p=prompts[r + 1]: c.llm.generate(

@@ -240,8 +240,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hf is not None:
             hf.generate(prompts, args.warmup_len)
         runs: dict[str, tuple[list[float], list[Generation]]] = {"engine": ([], []), "hf": ([], [])}
-        for _ in range(args.repeats):  # alternate, so load from other processes hits both
-            systems = [("engine", engine)] + ([("hf", hf)] if hf is not None else [])
+        for i in range(args.repeats):
+            # Alternate, who goes first too, so load from other processes hits both alike.
+            systems: list[tuple[str, Any]] = [("engine", engine)]
+            if hf is not None:
+                systems.append(("hf", hf))
+            if i % 2:
+                systems.reverse()
             for name, runner in systems:
                 gc.collect()
                 t, gen = timed(lambda r=runner, p=prompts: r.generate(p, args.output_len))
