@@ -1,0 +1,418 @@
+"""Tensor parallelism over Ray: one actor per rank, in a placement group, one round per step.
+
+Every rank runs the same ``Worker.execute`` on the same plan: the logits are all-gathered to the
+full vocabulary on every rank and every rank holds the same seeded per-request generators, so the
+ranks stay in lockstep (same shapes, same collectives, same tokens) without exchanging anything
+but the plan. The draft loop, the target pass and the rejection sampling all happen inside the
+workers; only rank 0's result travels back.
+
+Ray itself: an existing connection (``ray.init`` done by the caller) is used as it is; otherwise
+the executor joins ``ray_address`` (``RAY_ADDRESS``, ``auto``) or starts a local instance, and
+disconnects / stops it at shutdown. Failures (a dead actor, an exception in a rank, no reply
+within the step timeout) become ``EngineError`` naming the rank; the actors and the placement
+group are then torn down, so a failed engine holds no resources.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specbatch.config import EngineConfig
+from specbatch.distributed.init import (
+    Rendezvous,
+    backend_for,
+    destroy_process_group,
+    init_process_group,
+    rendezvous_host,
+    serve_store,
+)
+from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.errors import EngineError, InvalidInputError
+from specbatch.scheduler.output import SchedulerOutput, StepResult
+from specbatch.worker.executor import num_kv_blocks_from_budget
+
+logger = logging.getLogger(__name__)
+
+STEP_TIMEOUT_ENV = "SPECBATCH_RAY_STEP_TIMEOUT"  # seconds one engine step may take
+INIT_TIMEOUT_ENV = "SPECBATCH_RAY_INIT_TIMEOUT"  # seconds to place, start and load the workers
+THREADS_ENV = "SPECBATCH_WORKER_THREADS"  # torch threads per CPU rank
+DEFAULT_STEP_TIMEOUT_S = 60.0
+DEFAULT_INIT_TIMEOUT_S = 900.0
+CPU_BUNDLE = 0.01  # logical CPUs a CPU rank reserves: places it without starving other tasks
+LOCAL_OBJECT_STORE_BYTES = 256 << 20  # plans and results are a few KiB
+_FAILURE_GRACE_S = 2.0  # after one rank fails, how long to wait for the others' own errors
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidInputError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise InvalidInputError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+@dataclass
+class TimedGroup(TensorParallelGroup):
+    """A tensor-parallel group that adds up the wall time its collectives take (gloo is
+    synchronous; on NCCL this measures only the launch)."""
+
+    seconds: float = 0.0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        y = super().all_reduce(x)
+        self.seconds += time.perf_counter() - t
+        return y
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        t = time.perf_counter()
+        y = super().all_gather(x, dim)
+        self.seconds += time.perf_counter() - t
+        return y
+
+
+class RankWorker:
+    """One tensor-parallel rank; the body of a Ray actor (``ray.remote(RankWorker)``)."""
+
+    def __init__(self, rank: int, world_size: int, device: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.tp: TimedGroup | None = None
+        self.worker: Any = None
+
+    def where(self) -> tuple[str, str, int]:
+        """(Ray node id, node IP, pid) of this actor."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def setup(self, rdv: Rendezvous, num_threads: int) -> None:
+        """Threads, device, and the process group (one per engine, shared by target and draft)."""
+        torch.set_num_threads(num_threads)
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU
+        group = init_process_group(self.rank, rdv)
+        self.tp = TimedGroup(rank=group.rank, size=group.size, group=group.group)
+
+    def load(self, config: EngineConfig) -> None:
+        """Build this rank's Worker: each model reads only its own slices of the checkpoint.
+        The draft shares the group when sharded, and is a whole replica when its size is 1."""
+        from specbatch.worker.worker import Worker
+
+        assert self.tp is not None, "setup() first"
+        draft_tp: TensorParallelGroup = self.tp if config.draft_tensor_parallel_size > 1 else SINGLE
+        device = torch.device("cuda", 0) if self.device == "cuda" else torch.device(self.device)
+        self.worker = Worker(config, device=device, tp=self.tp, draft_tp=draft_tp)
+
+    def kv_info(self) -> tuple[int, int]:
+        """(KV budget in bytes, bytes per block) on this rank."""
+        return self.worker.kv_memory_budget(), self.worker.kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute(self, plan: SchedulerOutput) -> StepResult | None:
+        """One engine step on this rank; rank 0 returns the result with its timings."""
+        assert self.tp is not None
+        c0, t0 = self.tp.seconds, time.perf_counter()
+        result = self.worker.execute(plan)
+        if self.rank != 0:
+            return None
+        result.timings["worker"] = time.perf_counter() - t0
+        result.timings["collectives"] = self.tp.seconds - c0
+        return result
+
+    def shutdown(self) -> None:
+        destroy_process_group()
+
+
+def _threads_for(ranks_on_node: int) -> int:
+    raw = os.environ.get(THREADS_ENV)
+    if raw:
+        return max(1, int(raw))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, ranks_on_node))
+
+
+class RayExecutor:
+    """``tensor_parallel_size`` Ray actors, one per rank, driven with one call each per step.
+
+    ``workers`` (actor handles, rank order), ``actor_names`` and ``placement_group`` are public
+    for inspection.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        step_timeout_s: float | None = None,
+        init_timeout_s: float | None = None,
+    ) -> None:
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.step_timeout_s = step_timeout_s or _env_seconds(
+            STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S
+        )
+        self.init_timeout_s = init_timeout_s or _env_seconds(
+            INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S
+        )
+        self.workers: list[Any] = []
+        self.actor_names: list[str] = []
+        self.placement_group: Any = None
+        self.locations: list[tuple[str, str, int]] = []  # (node id, node ip, pid) per rank
+        self.rendezvous: Rendezvous | None = None
+        self._store: Any = None
+        self._owns_ray = False
+        self._failure: str | None = None
+        self._closed = False
+        try:
+            self._connect()
+            self._place()
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            if self.config.ray_address:
+                logger.info("Ray is already initialised; ignoring ray_address")
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        address = self.config.ray_address
+        try:
+            if address:
+                ray.init(address=address, logging_level=logging.WARNING)
+            else:
+                # A private instance on this machine, bound to loopback; with no peers to talk
+                # to, token authentication (on by default since Ray 2.5x) only gets in the way.
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                ray.init(
+                    include_dashboard=False,
+                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    logging_level=logging.WARNING,
+                    _node_ip_address="127.0.0.1",
+                )
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
+            hint = " (is `ray start --head` running there?)" if address else ""
+            raise EngineError(f"could not connect to {where}{hint}: {e}") from e
+        self._owns_ray = True
+
+    def _place(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        on_gpu = self.config.device == "cuda"
+        bundle = {"GPU": 1.0} if on_gpu else {"CPU": CPU_BUNDLE}
+        need = "GPU" if on_gpu else "CPU"
+        have = float(ray.cluster_resources().get(need, 0.0))
+        if have < bundle[need] * self.world_size:
+            raise EngineError(
+                f"tensor_parallel_size={self.world_size} needs {self.world_size} x {bundle} "
+                f"but the Ray cluster has {need}={have:g} in all"
+            )
+        self.placement_group = placement_group([dict(bundle)] * self.world_size, strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=self.init_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise EngineError(
+                f"could not reserve {self.world_size} x {bundle} on the Ray cluster within "
+                f"{self.init_timeout_s:g} s (available now: {ray.available_resources()})"
+            ) from None
+
+    def _start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        on_gpu = self.config.device == "cuda"
+        actor_cls = ray.remote(RankWorker)
+        tag = uuid.uuid4().hex[:8]
+        self.actor_names = [f"specbatch-tp{rank}-{tag}" for rank in range(self.world_size)]
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=rank
+            )
+            self.workers.append(
+                actor_cls.options(
+                    num_cpus=0,
+                    num_gpus=1 if on_gpu else 0,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                    name=self.actor_names[rank],
+                ).remote(rank, self.world_size, self.config.device)
+            )
+        self.locations = self._call_all("starting the workers", "where", timeout=None)
+        nodes = [node for node, _, _ in self.locations]
+        ctx = ray.get_runtime_context()
+        host = rendezvous_host(ray.util.get_node_ip_address(), ctx.get_node_id(), nodes)
+        self._store = serve_store(self.init_timeout_s)
+        self.rendezvous = Rendezvous(
+            host=host,
+            port=self._store.port,
+            prefix=f"specbatch-{uuid.uuid4().hex}/",
+            backend=backend_for(self.config.device),
+            world_size=self.world_size,
+            timeout_s=self.step_timeout_s,
+        )
+        threads = [_threads_for(nodes.count(node)) for node in nodes]
+        self._call_ranks(
+            "joining the process group",
+            [w.setup.remote(self.rendezvous, n) for w, n in zip(self.workers, threads)],
+            self.init_timeout_s,
+        )
+        config_ref = ray.put(self.config)
+        self._call_all("loading the model shards", "load", config_ref, timeout=None)
+
+    def determine_num_kv_blocks(self) -> int:
+        infos = self._call_all("measuring the KV budget", "kv_info", timeout=None)
+        return min(num_kv_blocks_from_budget(self.config, b, n) for b, n in infos)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("allocating the KV caches", "init_kv_cache", num_blocks, timeout=None)
+
+    # ---- the step --------------------------------------------------------------------------
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        """One round: every rank runs the step; rank 0's result comes back.
+
+        ``timings`` gains ``worker`` (rank 0's execute), ``collectives`` (its all-reduces and
+        all-gathers) and ``ray`` (the round trip minus rank 0's execute).
+        """
+        t0 = time.perf_counter()
+        results = self._call_all("an engine step", "execute", plan, timeout=self.step_timeout_s)
+        result = results[0]
+        assert result is not None
+        result.timings["ray"] = max(0.0, time.perf_counter() - t0 - result.timings["worker"])
+        return result
+
+    def _call_all(self, what: str, method: str, *args: Any, timeout: float | None) -> list[Any]:
+        return self._call_ranks(
+            what,
+            [getattr(w, method).remote(*args) for w in self._live_workers()],
+            self.init_timeout_s if timeout is None else timeout,
+        )
+
+    def _live_workers(self) -> list[Any]:
+        if self._failure is not None:
+            raise EngineError(f"the tensor-parallel workers are gone: {self._failure}")
+        if self._closed:
+            raise EngineError("the executor has been shut down")
+        return self.workers
+
+    def _call_ranks(self, what: str, refs: list[Any], timeout: float) -> list[Any]:
+        """``ray.get`` of one call per rank, within ``timeout``; any failure tears the workers
+        down and raises an ``EngineError`` naming every rank that failed and how."""
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            detail = self._describe(refs, f"no reply within {timeout:g} s (hung?)")
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, InvalidInputError):  # a user error on a rank: no wrapping
+                self._fail(str(cause))
+                raise InvalidInputError(str(cause)) from None
+            detail = self._describe(refs, "")
+        except ray.exceptions.RayError:
+            detail = self._describe(refs, "")
+        message = f"tensor-parallel worker failure while {what}: {detail}"
+        self._fail(message)
+        raise EngineError(message) from None
+
+    def _describe(self, refs: list[Any], pending: str) -> str:
+        """One clause per rank that failed (or, with ``pending``, has not answered)."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_FAILURE_GRACE_S)
+        done = set(ready)
+        clauses = []
+        for rank, ref in enumerate(refs):
+            where = self._where(rank)
+            if ref not in done:
+                if pending:
+                    clauses.append(f"rank {rank}{where}: {pending}")
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                clauses.append(f"rank {rank}{where}: its actor process died")
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None) or e
+                text = str(cause).strip().splitlines()
+                first = text[0] if text else ""
+                clauses.append(f"rank {rank}{where}: raised {type(cause).__name__}: {first}")
+            except ray.exceptions.RayError as e:
+                clauses.append(f"rank {rank}{where}: {type(e).__name__}")
+        return "; ".join(clauses) or "unknown Ray error"
+
+    def _where(self, rank: int) -> str:
+        if rank < len(self.locations):
+            _, ip, pid = self.locations[rank]
+            return f" (pid {pid} on {ip})"
+        return ""
+
+    # ---- tear-down -------------------------------------------------------------------------
+    def _fail(self, message: str) -> None:
+        """Remember the failure and release the actors and the placement group at once."""
+        if self._failure is None:
+            self._failure = message
+        logger.error("%s", message)
+        self._release()
+
+    def _release(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        workers, self.workers = self.workers, []
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception as e:  # already gone
+                logger.debug("ray.kill: %s", e)
+        if workers:  # wait (bounded) until Ray reports them dead, so callers see them gone
+            probes = [w.where.remote() for w in workers]
+            ray.wait(probes, num_returns=len(probes), timeout=10.0)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception as e:
+                logger.debug("remove_placement_group: %s", e)
+        self._store = None
+
+    def shutdown(self) -> None:
+        """Kill the actors, remove the placement group; stop/disconnect Ray if we started it.
+        Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._release()
+        finally:
+            if self._owns_ray:
+                import ray
+
+                ray.shutdown()
+                self._owns_ray = False
