@@ -195,7 +195,9 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "git_commit": _git("rev-parse", "HEAD"),
-        "specbatch_uncommitted_files": [ln[3:] for ln in (dirty or "").splitlines()],
+        "specbatch_uncommitted_files": [
+            ln.split(maxsplit=1)[-1] for ln in (dirty or "").splitlines()
+        ],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
