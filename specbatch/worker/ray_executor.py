@@ -261,7 +261,7 @@ class RayExecutor:
                     name=self.actor_names[rank],
                 ).remote(rank, self.world_size, self.config.device)
             )
-        self.locations = self._call_all("starting the workers", "where", timeout=None)
+        self.locations = self._call_all("start-up", "where", timeout=None)
         nodes = [node for node, _, _ in self.locations]
         ctx = ray.get_runtime_context()
         host = rendezvous_host(ray.util.get_node_ip_address(), ctx.get_node_id(), nodes)
@@ -276,19 +276,19 @@ class RayExecutor:
         )
         threads = [_threads_for(nodes.count(node)) for node in nodes]
         self._call_ranks(
-            "joining the process group",
+            "process-group set-up",
             [w.setup.remote(self.rendezvous, n) for w, n in zip(self.workers, threads)],
             self.init_timeout_s,
         )
         config_ref = ray.put(self.config)
-        self._call_all("loading the model shards", "load", config_ref, timeout=None)
+        self._call_all("model loading", "load", config_ref, timeout=None)
 
     def determine_num_kv_blocks(self) -> int:
-        infos = self._call_all("measuring the KV budget", "kv_info", timeout=None)
+        infos = self._call_all("KV budget measurement", "kv_info", timeout=None)
         return min(num_kv_blocks_from_budget(self.config, b, n) for b, n in infos)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("allocating the KV caches", "init_kv_cache", num_blocks, timeout=None)
+        self._call_all("KV cache allocation", "init_kv_cache", num_blocks, timeout=None)
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -335,7 +335,7 @@ class RayExecutor:
             detail = self._describe(refs, "")
         except ray.exceptions.RayError:
             detail = self._describe(refs, "")
-        message = f"tensor-parallel worker failure while {what}: {detail}"
+        message = f"tensor-parallel worker failure during {what}: {detail}"
         self._fail(message)
         raise EngineError(message) from None
 
