@@ -6,6 +6,7 @@ on exactly what ships, over the held-out files only.
 
 from __future__ import annotations
 
+import inspect
 import json
 import platform
 import sys
@@ -38,15 +39,17 @@ def decode_step_ms(model, context: int, steps: int, seed: int) -> float:
     """Median wall time of one batch-1 decode step with a KV cache after a ``context`` prompt."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
+    # transformers renamed ``past_key_values`` to ``cache`` in 5.x; accept either.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=torch.randint(0, vocab, (1, context), generator=g), use_cache=True)
-    cache = out.cache
+    cache = getattr(out, name)
     tok = torch.randint(0, vocab, (1, 1), generator=g)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        out = model(input_ids=tok, cache=cache, use_cache=True)
+        out = model(input_ids=tok, use_cache=True, **{name: cache})
         times.append(time.perf_counter() - t)
-        cache = out.cache
+        cache = getattr(out, name)
     times.sort()
     return 1000 * times[len(times) // 2]
 
