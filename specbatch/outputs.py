@@ -31,7 +31,8 @@ class RequestMetrics:
     spec_rounds: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None  # accepted / proposed drafts
+    alpha: float | None = None  # THEORY.md's per-draft acceptance probability
     mean_tokens_per_round: float | None = None
     predicted_tokens_per_round: float | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
@@ -72,6 +73,7 @@ class RequestMetrics:
             draft_tokens_proposed=s.proposed,
             draft_tokens_accepted=s.accepted,
             acceptance_rate=s.acceptance_rate,
+            alpha=s.alpha,
             mean_tokens_per_round=s.mean_tokens_per_round,
             predicted_tokens_per_round=s.predicted_tokens_per_round(),
             acceptance_by_position=s.acceptance_by_position,

@@ -23,14 +23,21 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class SpecStats:
-    """Speculation counters of one request (or, summed, of the engine)."""
+    """Speculation counters of one request (or, summed, of the engine).
+
+    Two rates, both reported: ``acceptance_rate`` is accepted / proposed (vLLM's "draft
+    acceptance rate"), and ``alpha`` is THEORY.md's per-proposal acceptance probability,
+    accepted / (accepted + rejections): a round stops at its first rejection, so later drafts of
+    a rejected round were never tested and must not count as failures.
+    """
 
     rounds: int = 0  # verification rounds that had at least one draft token
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    rejections: int = 0  # rounds that stopped at a rejected draft
     emitted: int = 0  # tokens emitted by those rounds (accepted + one per round)
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: rounds accepting > i
-    proposed_by_position: list[int] = field(default_factory=list)  # [i]: rounds proposing > i
+    reached_by_position: list[int] = field(default_factory=list)  # [i]: rounds testing draft i
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -38,9 +45,11 @@ class SpecStats:
         self.rounds += 1
         self.proposed += num_draft
         self.accepted += num_accepted
+        self.rejections += num_accepted < num_draft
         self.emitted += num_accepted + 1
+        tested = min(num_accepted + 1, num_draft)
         for counts, n in (
-            (self.proposed_by_position, num_draft),
+            (self.reached_by_position, tested),
             (self.accepted_by_position, num_accepted),
         ):
             if len(counts) < n:
@@ -52,9 +61,10 @@ class SpecStats:
         self.rounds += other.rounds
         self.proposed += other.proposed
         self.accepted += other.accepted
+        self.rejections += other.rejections
         self.emitted += other.emitted
         for mine, theirs in (
-            (self.proposed_by_position, other.proposed_by_position),
+            (self.reached_by_position, other.reached_by_position),
             (self.accepted_by_position, other.accepted_by_position),
         ):
             if len(mine) < len(theirs):
@@ -64,23 +74,33 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts."""
         return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def alpha(self) -> float | None:
+        """THEORY.md's alpha: probability that a tested draft is accepted."""
+        tested = self.accepted + self.rejections
+        return self.accepted / tested if tested else None
 
     @property
     def mean_tokens_per_round(self) -> float | None:
         return self.emitted / self.rounds if self.rounds else None
 
     @property
+    def mean_draft_length(self) -> float | None:
+        return self.proposed / self.rounds if self.rounds else None
+
+    @property
     def acceptance_by_position(self) -> list[float]:
-        """P(draft i accepted | draft i proposed), position by position."""
+        """P(draft i accepted | draft i was tested), position by position."""
         return [
-            a / p if p else 0.0
-            for a, p in zip(self.accepted_by_position, self.proposed_by_position)
+            a / r if r else 0.0 for a, r in zip(self.accepted_by_position, self.reached_by_position)
         ]
 
     def predicted_tokens_per_round(self) -> float | None:
-        """THEORY.md's E[tokens] = (1 - a^(g+1)) / (1 - a) at the measured a and mean gamma."""
-        alpha = self.acceptance_rate
+        """THEORY.md's E[tokens] = (1 - a^(g+1)) / (1 - a) at the measured alpha and mean gamma."""
+        alpha = self.alpha
         if alpha is None:
             return None
         gamma = self.proposed / self.rounds

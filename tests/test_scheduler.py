@@ -207,3 +207,19 @@ def test_stop_token_inside_an_accepted_run_ends_the_request_there():
     assert req.output_token_ids == [5, 6, 42]
     assert req.finish_reason is FinishReason.STOP and req.stop_reason == 42
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_speculation_statistics_count_only_tested_drafts():
+    from specbatch.request import SpecStats
+
+    s = SpecStats()
+    s.record(4, 1)  # draft 0 accepted, draft 1 rejected, drafts 2-3 never tested
+    s.record(4, 4)  # all accepted
+    s.record(2, 0)
+    assert (s.rounds, s.proposed, s.accepted, s.rejections, s.emitted) == (3, 10, 5, 2, 8)
+    assert s.acceptance_rate == 0.5
+    assert s.alpha == 5 / 7
+    assert s.reached_by_position == [3, 2, 1, 1]
+    assert s.acceptance_by_position == [2 / 3, 1 / 2, 1.0, 1.0]
+    a, g = 5 / 7, 10 / 3
+    assert abs(s.predicted_tokens_per_round() - (1 - a ** (g + 1)) / (1 - a)) < 1e-12

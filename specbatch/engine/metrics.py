@@ -42,6 +42,8 @@ class EngineMetrics:
             "draft_tokens_proposed": s.proposed,
             "draft_tokens_accepted": s.accepted,
             "acceptance_rate": s.acceptance_rate,
+            "alpha": s.alpha,
+            "mean_draft_length": s.mean_draft_length,
             "mean_tokens_per_round": s.mean_tokens_per_round,
             "predicted_tokens_per_round": s.predicted_tokens_per_round(),
             "acceptance_by_position": s.acceptance_by_position,
