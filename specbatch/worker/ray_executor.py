@@ -203,9 +203,9 @@ class RayExecutor:
             if address:
                 ray.init(address=address, logging_level=logging.WARNING)
             else:
-                # A private instance on this machine, bound to loopback; with no peers to talk
-                # to, token authentication (on by default since Ray 2.5x) only gets in the way.
-                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                # A private instance on this machine, advertised on loopback (an offline
+                # machine's reported IP may not be reachable). Ray's authentication default
+                # and RAY_AUTH_MODE are left as they are.
                 ray.init(
                     include_dashboard=False,
                     object_store_memory=LOCAL_OBJECT_STORE_BYTES,
