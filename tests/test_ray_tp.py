@@ -1,8 +1,9 @@
 """Tensor parallelism over Ray, end to end on CPU: two gloo ranks as Ray actors.
 
-One local Ray instance (2 logical CPUs) serves the whole run (``ray_cluster``); each engine
+One local Ray instance (2 logical CPUs) serves every test here (``ray_cluster``); each engine
 puts its two actors (``num_cpus=0``) in a placement group of two tiny CPU bundles. The model
-pair is ``test_exactness``'s (vocab 32, 4 query / 2 KV heads, so TP=2 divides everything).
+pair is a tiny target (vocab 32, 4 query / 2 KV heads, so TP=2 divides everything) and a
+perturbed copy of it as the draft; the exactness machinery is ``test_exactness``'s.
 
 What is checked: TP=2 outputs are token-identical to TP=1 (greedy and seeded sampling, with and
 without speculation, the draft replicated or sharded); the sampled joint is the target's
@@ -28,14 +29,8 @@ import pytest
 import torch
 
 from specbatch import LLM, EngineError, InvalidInputError, SamplingParams
-from tests.helpers import exact_joint
-from tests.test_exactness import (  # noqa: F401  (pair is a fixture)
-    PROMPT,
-    assert_matches,
-    engine,
-    pair,
-    sample_sequences,
-)
+from tests.helpers import exact_joint, make_perturbed_draft
+from tests.test_exactness import PROMPT, assert_matches, engine, sample_sequences
 
 ray = pytest.importorskip("ray")
 
@@ -60,9 +55,11 @@ SEEDED = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
-    """A local Ray for the whole run (started once); yields its address for joining."""
+    """A local Ray, started once for all the Ray tests (they all live in this module, so the
+    instance goes away when they are done, not at the end of the run); yields its address.
+    Move it to conftest.py with scope="session" when another module needs Ray."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # see RAY_NOTES.md
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = not ray.is_initialized()
@@ -81,7 +78,24 @@ def ray_cluster() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def engines(pair, ray_cluster) -> Iterator[Any]:  # noqa: F811
+def pair(make_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """Target and a perturbed copy as draft: vocab 32, 4 query / 2 KV heads (TP=2 divides)."""
+    target = make_checkpoint(
+        "llama",
+        vocab_size=32,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        seed=3,
+        max_position_embeddings=64,
+    )
+    draft = make_perturbed_draft(target, tmp_path_factory.mktemp("draft"), noise=0.25, seed=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def engines(pair, ray_cluster) -> Iterator[Any]:
     """``get(name, tp)``: one engine per (configuration, TP size), built on first use."""
     built: dict[tuple[str, int], LLM] = {}
 
@@ -183,7 +197,7 @@ def test_one_ray_round_per_step_and_timings(engines) -> None:
         assert 0 < r.timings["collectives"] < r.timings["worker"]
 
 
-def test_exactness_at_tp2(engines, pair) -> None:  # noqa: F811
+def test_exactness_at_tp2(engines, pair) -> None:
     llm = engines("spec", 2)
     spec = llm.engine.metrics.spec
     proposed, accepted = spec.proposed, spec.accepted
@@ -194,7 +208,7 @@ def test_exactness_at_tp2(engines, pair) -> None:  # noqa: F811
     assert_matches(samples, exact_joint(pair[0], PROMPT, 3, 1.0, 1.0))
 
 
-def test_sharded_draft_equals_tp1_and_shutdown_releases_everything(engines, pair) -> None:  # noqa: F811
+def test_sharded_draft_equals_tp1_and_shutdown_releases_everything(engines, pair) -> None:
     llm = engine(pair, GAMMA, seed=SEED, tensor_parallel_size=2, draft_tensor_parallel_size=2)
     try:
         assert llm.engine.executor.rendezvous.host == "127.0.0.1"  # one node: loopback
@@ -208,7 +222,7 @@ def test_sharded_draft_equals_tp1_and_shutdown_releases_everything(engines, pair
 
 
 # ---- errors --------------------------------------------------------------------------------
-def test_sizes_that_tp_does_not_divide_fail_before_loading(pair) -> None:  # noqa: F811
+def test_sizes_that_tp_does_not_divide_fail_before_loading(pair) -> None:
     t0 = time.monotonic()
     with pytest.raises(InvalidInputError, match=r"tensor_parallel_size=3 does not divide"):
         LLM(str(pair[0]), tensor_parallel_size=3)
@@ -222,7 +236,7 @@ def test_sizes_that_tp_does_not_divide_fail_before_loading(pair) -> None:  # noq
     assert time.monotonic() - t0 < 20  # config checks only: no Ray, no actors
 
 
-def test_dead_or_hung_worker_raises_engine_error(engines, pair) -> None:  # noqa: F811
+def test_dead_or_hung_worker_raises_engine_error(engines, pair) -> None:
     # 1) kill rank 1 while generate runs in another thread
     llm = engine(pair, GAMMA, seed=SEED, tensor_parallel_size=2)
     executor = llm.engine.executor
@@ -277,7 +291,7 @@ def test_dead_or_hung_worker_raises_engine_error(engines, pair) -> None:  # noqa
 
 
 # ---- joining a running cluster ---------------------------------------------------------------
-def test_cli_joins_an_existing_cluster(engines, pair, ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_cli_joins_an_existing_cluster(engines, pair, ray_cluster, tmp_path: Path) -> None:
     """``specbatch generate --tensor-parallel-size 2 --ray-address ADDR`` in another process
     joins this run's Ray, produces TP=1's tokens, and leaves no actor behind."""
     prompts = tmp_path / "p.jsonl"
