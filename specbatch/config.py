@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # when a draft is given without a draft length
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -197,12 +198,14 @@ class EngineArgs:
         target = self._model_config(model_path, "model", self.tokenizer, device, self.dtype)
         draft = None
         k = self.num_speculative_tokens
-        if self.draft_model is not None or (self.model is None and k):
+        # The built-in pair speculates by default; any other target only with a draft given.
+        use_builtin_draft = self.model is None and self.draft_model is None and k != 0
+        if self.draft_model is not None or use_builtin_draft:
             draft_path = self.draft_model or default_model_path("draft")
             draft = self._model_config(draft_path, "draft_model", None, device, self.dtype)
             check_same_vocabulary(target, draft)
             if k is None:
-                k = 4
+                k = DEFAULT_NUM_SPECULATIVE_TOKENS
         k = 0 if k is None else k
         _check_positive_int("num_speculative_tokens", k, minimum=0)
         if k > 0 and draft is None:

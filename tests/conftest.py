@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from specbatch.testing.checkpoints import make_random_checkpoint
+
+# The tests run tiny models: one intra-op thread is as fast as two on them, and it keeps the
+# suite from oversubscribing the cores when Ray workers or parallel jobs share the machine.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

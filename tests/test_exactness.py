@@ -35,7 +35,16 @@ VOCAB = 32
 
 @pytest.fixture(scope="module")
 def pair(make_checkpoint, tmp_path_factory):
-    target = make_checkpoint("llama", vocab_size=VOCAB, seed=3, max_position_embeddings=64)
+    target = make_checkpoint(
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seed=3,
+        max_position_embeddings=64,
+    )
     draft = make_perturbed_draft(target, tmp_path_factory.mktemp("draft"), noise=0.25, seed=1)
     return target, draft
 

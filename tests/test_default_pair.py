@@ -1,0 +1,56 @@
+"""The built-in target/draft pair ships with the package and runs with no --model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specbatch import LLM, SamplingParams
+from specbatch.config import default_model_path
+from specbatch.entrypoints.cli import main
+from tests.helpers import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["def uuid5(namespace, name):", "class Future:", "import os"]
+
+
+def test_pair_is_small_and_shares_a_tokenizer():
+    target, draft = Path(default_model_path("target")), Path(default_model_path("draft"))
+    size = sum(f.stat().st_size for d in (target, draft) for f in d.iterdir())
+    assert size <= 32 * 2**20
+    assert (target / "tokenizer.json").read_bytes() == (draft / "tokenizer.json").read_bytes()
+
+
+def test_specbatch_greedy_equals_transformers_on_the_shipped_weights():
+    llm = LLM(max_model_len=256)  # the built-in pair, speculating
+    assert llm.engine.config.speculative
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    expected = hf_greedy(default_model_path("target"), ids, 24)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.metrics.spec.alpha > 0.4  # a real pair: the draft predicts the target
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+
+
+def test_generate_without_model_on_the_example_prompts(tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    prompts = ROOT / "examples" / "prompts.txt"
+    rc = main(
+        [
+            "generate",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-tokens",
+            "8",
+            "--no-progress",
+        ]
+    )
+    assert rc in (0, None)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    n = sum(1 for x in prompts.read_text().splitlines() if x.strip())
+    assert sorted(r["index"] for r in lines) == list(range(n))
+    assert all(r["num_output_tokens"] >= 1 and r["text"] is not None for r in lines)
