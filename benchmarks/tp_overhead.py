@@ -16,7 +16,7 @@ median as a share of the median step time.
 Threads: ``--threads`` torch threads per rank (default 1), so TP=2 uses twice the cores of TP=1;
 the point is the overhead per step, not a speed-up on a 2-core machine.
 
-    python benchmarks/tp_overhead.py                      # defaults (about 3 minutes on 2 cores)
+    python benchmarks/tp_overhead.py                      # defaults (about 1-2 minutes on 2 cores)
     python benchmarks/tp_overhead.py --batch-sizes 1 8 32 --steps 60 --gammas 0 3
 """
 
@@ -45,7 +45,7 @@ from common import (
     write_json,
 )
 
-# ~23M parameters: small enough that two CPU ranks are not hidden behind their matmuls.
+# ~32M parameters: small enough that two CPU ranks are not hidden behind their matmuls.
 TARGET = ModelSize(
     vocab_size=8192,
     hidden_size=512,
