@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from specbatch import __version__
 from specbatch.entrypoints import generate, verify
 from specbatch.entrypoints.engine_flags import CliParser, flag_message
-from specbatch.errors import InvalidInputError
+from specbatch.errors import EngineError, InvalidInputError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         where = f"'{e.filename}': " if getattr(e, "filename", None) else ""
         return _error(f"{where}{e.strerror or e}")
+    except EngineError as e:  # a worker died or hung: what was written is kept
+        print(f"error: engine failure: {e}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
