@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="also profile engine decode steps at this batch size",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and compute of both systems (bfloat16 uses AMX where the CPU has it)",
+    )
     ap.add_argument("--out", type=str, default=str(RESULTS_DIR / "throughput.json"))
     return ap.parse_args(argv)
 
@@ -94,12 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class EngineRunner:
     """One ``LLM`` for every batch size: max_num_seqs covers the largest batch."""
 
-    def __init__(self, model: str, max_batch: int, prompt_len: int, output_len: int) -> None:
+    def __init__(
+        self, model: str, max_batch: int, prompt_len: int, output_len: int, dtype: str
+    ) -> None:
         from specbatch import LLM
 
         self.llm = LLM(
             model=model,
-            dtype="float32",
+            dtype=dtype,
             device="cpu",
             max_num_seqs=max(max_batch, 1),
             max_num_batched_tokens=max(2048, max_batch * prompt_len),
@@ -150,12 +158,12 @@ class _StepClock:
 
 
 class HFRunner:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
         self.model.eval()
 
     @torch.inference_mode()
@@ -230,8 +238,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
 
-    engine = EngineRunner(str(model_path), max(batch_sizes), args.prompt_len, args.output_len)
-    hf = None if args.skip_hf else HFRunner(str(model_path))
+    engine = EngineRunner(
+        str(model_path), max(batch_sizes), args.prompt_len, args.output_len, args.dtype
+    )
+    hf = None if args.skip_hf else HFRunner(str(model_path), args.dtype)
 
     results = []
     for b in batch_sizes:
@@ -283,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "model": summary,
             "random_checkpoint": None if args.model else vars(DEFAULT_SIZE),
-            "dtype": "float32",
+            "dtype": args.dtype,
             "device": "cpu",
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
@@ -383,7 +393,7 @@ def print_report(report: dict[str, Any]) -> None:
     m, c = report["machine"], report["config"]
     print()
     print(
-        f"{c['model']['parameters'] / 1e6:.1f}M-parameter Llama, float32 CPU, "
+        f"{c['model']['parameters'] / 1e6:.1f}M-parameter Llama, {c['dtype']} CPU, "
         f"prompt {c['prompt_len']} + output {c['output_len']} tokens, greedy, "
         f"median of {c['repeats']}; {m['cpu_model']}, {m['cpus_usable']} CPUs "
         f"(load {m['load_average_1m']:.1f}), torch {m['torch']} with "
