@@ -21,19 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from specbatch.entrypoints.engine_flags import SAMPLING_FIELDS
 from specbatch.errors import InvalidInputError
 
-LINE_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-)
+# The sampling fields a line may set are exactly the sampling flags of the command line.
+LINE_SAMPLING_FIELDS = SAMPLING_FIELDS
 PROMPT_FIELDS = ("prompt", "prompt_token_ids")
 FILE_FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 

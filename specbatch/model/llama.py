@@ -51,6 +51,20 @@ def architecture_of(hf_config: Any) -> str:
     return archs[0]
 
 
+
+def check_architecture(hf_config: Any) -> str:
+    """The config's architecture, if this module implements it (and its activation)."""
+    arch = architecture_of(hf_config)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InvalidInputError(
+            f"model: architecture '{arch}' is not supported; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
+    return arch
+
 def head_dim_of(hf_config: Any) -> int:
     return int(
         getattr(hf_config, "head_dim", None)
@@ -257,15 +271,7 @@ class LlamaForCausalLM(nn.Module):
         attention_backend: AttentionBackend | None = None,
     ) -> None:
         super().__init__()
-        arch = architecture_of(hf_config)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise InvalidInputError(
-                f"model: architecture '{arch}' is not supported; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
+        arch = check_architecture(hf_config)
         if attention_backend is None:
             from specbatch.model.layers.attention import select_backend
 

@@ -21,9 +21,8 @@ from specbatch.model.layers.attention import AttentionBackend
 from specbatch.model.layers.rotary import compute_inv_freq
 from specbatch.model.layers.weights import get_weight_loader
 from specbatch.model.llama import (
-    SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
-    architecture_of,
+    check_architecture,
     head_dim_of,
     num_kv_heads_of,
 )
@@ -53,15 +52,7 @@ def load_hf_config(path: str | Path) -> Any:
 
 def check_config(hf_config: Any, tp: TensorParallelGroup = SINGLE) -> None:
     """Architecture, activation, rope type and tensor-parallel divisibility, before any loading."""
-    arch = architecture_of(hf_config)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise InvalidInputError(
-            f"model: architecture '{arch}' is not supported; supported: "
-            + ", ".join(SUPPORTED_ARCHITECTURES)
-        )
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
+    check_architecture(hf_config)
     compute_inv_freq(hf_config, head_dim_of(hf_config))  # raises for unsupported rope types
     for field, value in (
         ("num_attention_heads", int(hf_config.num_attention_heads)),
