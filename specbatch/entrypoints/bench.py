@@ -1,0 +1,167 @@
+"""``specbatch bench`` (or ``specbatch bench offline``): the offline load test.
+
+``bench`` is a group: ``add_parser`` returns its sub-command action, so further load tests
+(``bench serve``) register next to ``offline``. Without a sub-command, ``bench`` runs the
+offline test; with ``offline``, put its flags after the word ``offline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from specbatch.bench.offline import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_DRAFT_LENGTHS,
+    DEFAULT_INPUT_LEN,
+    DEFAULT_OUTPUT_LEN,
+)
+
+FIELDS = (
+    "batch_sizes",
+    "draft_lengths",
+    "input_len",
+    "output_len",
+    "num_requests",
+    "temperature",
+    "prompts",
+)
+# Engine flags the command sets itself, per engine.
+_OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_model_len")
+
+DESCRIPTION = """\
+Offline load test. For every batch size B (requests running concurrently: the engine is kept
+full at B, a new request taking the place of each finished one) and every draft length k
+(0: plain decoding of the target alone), run --num-requests requests of exactly --input-len
+prompt and --output-len output tokens, after a warm-up that is not counted. Reports per cell
+output tokens/s, time per output token (mean, p50, p99), time to first token, end-to-end
+latency, the measured acceptance rate and alpha, tokens per round, the draft/target cost
+ratio c, and the speedup over k=0 measured next to THEORY.md's prediction from alpha and c.
+Writes OUT.json, OUT.csv, OUT_throughput_latency.png and OUT_speedup.png.
+
+One plain engine runs the k=0 cells; one speculative engine built with the largest k runs the
+others, its draft length set per cell. Default model: the built-in pair; default prompts:
+windows of the pair's held-out stdlib files."""
+
+
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    from specbatch.entrypoints.engine_flags import add_engine_flags
+
+    p.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_BATCH_SIZES),
+        metavar="B",
+        help=f"concurrent requests (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})",
+    )
+    p.add_argument(
+        "--draft-lengths",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_DRAFT_LENGTHS),
+        metavar="K",
+        help="draft tokens per round, 0 = plain decoding "
+        f"(default: {' '.join(map(str, DEFAULT_DRAFT_LENGTHS))})",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=DEFAULT_INPUT_LEN,
+        metavar="N",
+        help=f"prompt tokens per request (default: {DEFAULT_INPUT_LEN})",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=DEFAULT_OUTPUT_LEN,
+        metavar="N",
+        help=f"output tokens per request (default: {DEFAULT_OUTPUT_LEN})",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests measured per cell (default: max(2 B, 8))",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="prompts file (.txt or .jsonl), each cut or repeated to --input-len tokens "
+        "(default: the built-in pair's held-out stdlib text; random ids without a tokenizer)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature, 0 = greedy (default: 0)",
+    )
+    p.add_argument(
+        "--out",
+        default="bench_results/bench",
+        metavar="PATH",
+        help="output path without extension (default: bench_results/bench)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_flags(p, skip=_OWN_ENGINE_FIELDS)
+
+
+def add_parser(subparsers: Any) -> Any:
+    """Register ``bench`` and ``bench offline``; returns ``bench``'s sub-command action."""
+    p = subparsers.add_parser(
+        "bench",
+        help="load tests: offline (default) over batch sizes x draft lengths",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_flags(p)
+    p.set_defaults(func=run)
+    sub = p.add_subparsers(dest="bench_command", metavar="MODE", required=False)
+    offline = sub.add_parser(
+        "offline",
+        help="the offline load test (the default)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_flags(offline)
+    offline.set_defaults(func=run)
+    return sub
+
+
+def config_from(args: argparse.Namespace) -> Any:
+    from specbatch.bench.offline import BenchConfig
+    from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
+
+    skip = {"model", "draft_model", "seed", *_OWN_ENGINE_FIELDS}
+    engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field not in skip}
+    return BenchConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        batch_sizes=list(args.batch_sizes),
+        draft_lengths=list(args.draft_lengths),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_requests=args.num_requests,
+        prompts_file=args.prompts,
+        temperature=args.temperature,
+        seed=args.seed,
+        engine_kwargs=engine_kwargs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from specbatch.bench.offline import run_bench
+    from specbatch.bench.report import format_report, write_all
+    from specbatch.sampling_params import SamplingParams
+
+    cfg = config_from(args)
+    cfg.check()
+    SamplingParams(temperature=cfg.temperature)  # a bad value fails before any model loads
+    result = run_bench(cfg, progress=not args.no_progress)
+    print(format_report(result), flush=True)
+    for kind, path in write_all(result, args.out).items():
+        print(f"wrote {kind}: {path}", flush=True)
+    return 0

@@ -1,0 +1,183 @@
+"""``specbatch bench``: end to end on a tiny random pair, files read back and checked."""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from specbatch.bench.offline import (
+    CellResult,
+    compare_with_plain,
+    crossover,
+    percentile,
+    predicted_speedup,
+)
+from specbatch.entrypoints.cli import main
+
+BATCH_SIZES = (1, 3)
+DRAFT_LENGTHS = (0, 2)
+NUM_REQUESTS = 4
+INPUT_LEN = 8
+OUTPUT_LEN = 6
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def bench_run(
+    make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    target = make_checkpoint("llama", num_layers=2, seed=0)
+    draft = make_checkpoint("llama", num_layers=1, seed=1)
+    out = tmp_path_factory.mktemp("bench") / "run"
+    argv = [
+        "bench",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(draft),
+        "--batch-sizes",
+        *map(str, BATCH_SIZES),
+        "--draft-lengths",
+        *map(str, DRAFT_LENGTHS),
+        "--num-requests",
+        str(NUM_REQUESTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--temperature",
+        "1.0",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    return out, " ".join(argv)
+
+
+def test_bench_end_to_end(bench_run: tuple[Path, str], capsys: pytest.CaptureFixture[str]) -> None:
+    out, argv = bench_run
+    assert main(argv.split()) == 0
+    printed = capsys.readouterr().out
+    assert "tok/s" in printed and "predicted" in printed
+
+    data = json.loads(out.with_suffix(".json").read_text())
+    cells = data["cells"]
+    assert {(c["batch_size"], c["draft_length"]) for c in cells} == {
+        (b, k) for b in BATCH_SIZES for k in DRAFT_LENGTHS
+    }
+    for c in cells:
+        # Tokens counted equal tokens generated: every request ran to exactly OUTPUT_LEN tokens,
+        # and the engine's own count over the cell's steps agrees.
+        assert c["num_requests"] == NUM_REQUESTS
+        assert c["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN == c["engine_generated_tokens"]
+        for name in ("wall_s", "output_tok_s", "tpot_mean", "ttft_mean", "e2e_mean", "step_s"):
+            assert c[name] > 0, name
+        assert c["output_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+        assert c["tpot_p50"] <= c["tpot_p99"]
+        assert c["ttft_p50"] <= c["ttft_p99"] and c["e2e_p50"] <= c["e2e_p99"]
+        assert c["ttft_mean"] < c["e2e_mean"]
+        assert c["measured_speedup"] > 0 and c["predicted_speedup"] > 0
+        if c["draft_length"] == 0:
+            assert c["spec_rounds"] == 0 and c["alpha"] is None
+            assert c["measured_speedup"] == pytest.approx(1.0)
+        else:
+            assert c["spec_rounds"] > 0
+            assert 0 <= c["draft_tokens_accepted"] <= c["draft_tokens_proposed"]
+            assert 0.0 <= c["acceptance_rate"] <= 1.0 and 0.0 <= c["alpha"] <= 1.0
+            assert 1.0 <= c["mean_tokens_per_round"] <= c["draft_length"] + 1
+            assert 0 < c["mean_draft_length"] <= c["draft_length"]
+            assert c["cost_ratio"] > 0
+            assert c["predicted_speedup"] == pytest.approx(
+                predicted_speedup(c["alpha"], c["mean_draft_length"], c["cost_ratio"])
+            )
+
+    with out.with_suffix(".csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(cells)
+    for row, c in zip(rows, cells, strict=True):
+        assert int(row["batch_size"]) == c["batch_size"]
+        assert int(row["draft_length"]) == c["draft_length"]
+        assert int(row["output_tokens"]) == c["output_tokens"]
+        assert float(row["output_tok_s"]) == pytest.approx(c["output_tok_s"])
+
+    for suffix in ("_throughput_latency.png", "_speedup.png"):
+        w, h = _png_size(out.with_name(out.name + suffix))
+        assert w > 100 and h > 100
+
+
+def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--batch-sizes", "0", "--no-progress"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
+
+
+def _cell(b: int, k: int, tok_s: float, alpha: float | None = None) -> CellResult:
+    return CellResult(
+        batch_size=b,
+        draft_length=k,
+        num_requests=1,
+        input_len=1,
+        output_len=2,
+        wall_s=1.0,
+        output_tokens=2,
+        engine_generated_tokens=2,
+        steps=2,
+        output_tok_s=tok_s,
+        tpot_mean=None,
+        tpot_p50=None,
+        tpot_p99=None,
+        ttft_mean=None,
+        ttft_p50=None,
+        ttft_p99=None,
+        e2e_mean=None,
+        e2e_p50=None,
+        e2e_p99=None,
+        step_s=0.01,
+        target_s_per_step=0.01,
+        draft_s_per_step=0.002 * k,
+        alpha=alpha,
+        mean_draft_length=float(k) if k else None,
+    )
+
+
+def test_speedup_and_crossover() -> None:
+    cells = [
+        _cell(1, 0, 100.0),
+        _cell(1, 2, 150.0, 0.5),
+        _cell(8, 0, 400.0),
+        _cell(8, 2, 300.0, 0.5),
+        _cell(16, 0, 500.0),
+        _cell(16, 2, 400.0, 0.5),
+    ]
+    compare_with_plain(cells)
+    assert cells[1].measured_speedup == pytest.approx(1.5)
+    assert cells[1].cost_ratio == pytest.approx(0.2)
+    # (1 - 0.5^3) / (0.5 * (2 * 0.2 + 1)) = 1.75 / 1.4
+    assert cells[1].predicted_speedup == pytest.approx(1.25)
+    assert crossover(cells)["crossover"] == 8
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 100) == 2.0
+
+
+def test_bench_offline_form_parses_like_bench() -> None:
+    from specbatch.entrypoints.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["bench", "offline", "--batch-sizes", "2", "5", "--draft-lengths", "0"])
+    b = p.parse_args(["bench", "--batch-sizes", "2", "5", "--draft-lengths", "0"])
+    assert a.batch_sizes == b.batch_sizes == [2, 5] and a.draft_lengths == b.draft_lengths == [0]
+    assert a.func is b.func
+    assert p.parse_args(["bench"]).batch_sizes == [1, 2, 4, 8, 16, 32, 64]
