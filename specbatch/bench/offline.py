@@ -19,7 +19,8 @@ Per cell, next to the measured figures, THEORY.md's prediction from measured val
 * predicted speedup ``S = (1 - a^(g+1)) / ((1 - a)(g c + 1))`` with g the mean draft length
   actually proposed, next to the measured speedup (output tokens/s over that of the plain cell
   at the same B). THEORY's model assumes a verify pass costs what a plain step does; the gap
-  between the two grows with B, where the verify pass becomes compute-bound.
+  between the two grows with B, where the verify pass becomes compute-bound: ``verify_ratio``
+  (the target's time per speculative step over its time per plain step) shows by how much.
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ def heldout_token_stream(tokenizer: Any) -> tuple[list[int], str]:
         except (OSError, UnicodeDecodeError):
             continue
         found += 1
-        ids.extend(tokenizer.encode(text))
+        try:  # whole files are longer than the models' context: no warning for that
+            ids.extend(tokenizer.encode(text, verbose=False))
+        except TypeError:
+            ids.extend(tokenizer.encode(text))
     if not ids:
         raise InvalidInputError(f"prompts: none of the held-out stdlib files is under {root}")
     return ids, f"held-out stdlib files ({found}/{len(paths)} under {root})"
@@ -202,6 +206,7 @@ class CellResult:
     mean_tokens_per_round: float | None = None
     predicted_tokens_per_round: float | None = None
     cost_ratio: float | None = None  # c, filled in against the plain cell
+    verify_ratio: float | None = None  # target time per step over the plain cell's
     measured_speedup: float | None = None
     predicted_speedup: float | None = None
 
@@ -306,6 +311,7 @@ def compare_with_plain(cells: list[CellResult]) -> None:
             continue
         if p.target_s_per_step > 0 and c.draft_length > 0:
             c.cost_ratio = c.draft_s_per_step / c.draft_length / p.target_s_per_step
+            c.verify_ratio = c.target_s_per_step / p.target_s_per_step
         if c.alpha is not None and c.cost_ratio is not None and c.mean_draft_length is not None:
             c.predicted_speedup = predicted_speedup(c.alpha, c.mean_draft_length, c.cost_ratio)
 

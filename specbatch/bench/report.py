@@ -29,6 +29,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("acc rate", "acceptance_rate", 1, 3),
     ("tok/round", "mean_tokens_per_round", 1, 2),
     ("c", "cost_ratio", 1, 3),
+    ("verify", "verify_ratio", 1, 2),
     ("speedup", "measured_speedup", 1, 2),
     ("predicted", "predicted_speedup", 1, 2),
 )
@@ -73,6 +74,7 @@ def format_report(result: BenchResult) -> str:
         "token; e2e: request latency.",
         "alpha: accepted / (accepted + rejections); acc rate: accepted / proposed; c: draft "
         "pass / plain target step at this B;",
+        "verify: target time per speculative step / per plain step (THEORY's model takes 1);",
         "speedup: tok/s over k=0 at the same B; predicted: THEORY.md's "
         "(1 - a^(g+1)) / ((1 - a)(g c + 1)).",
     ]
