@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from specbatch import __version__
-from specbatch.entrypoints import bench, generate, verify
+from specbatch.entrypoints import bench, bench_serve, generate, serve, verify
 from specbatch.entrypoints.engine_flags import CliParser, flag_message
 from specbatch.errors import EngineError, InvalidInputError
 
@@ -28,7 +28,8 @@ def build_parser() -> CliParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     generate.add_parser(sub)
     verify.add_parser(sub)
-    bench.add_parser(sub)
+    bench_serve.add_serve_parser(bench.add_parser(sub))
+    serve.add_parser(sub)
     return parser
 
 
@@ -48,7 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except InvalidInputError as e:
         return _error(
-            flag_message(str(e), extra_fields=(*generate.FIELDS, *verify.FIELDS, *bench.FIELDS))
+            flag_message(
+                str(e),
+                extra_fields=(*generate.FIELDS, *verify.FIELDS, *bench.FIELDS, *serve.FIELDS),
+            )
         )
     except OSError as e:
         where = f"'{e.filename}': " if getattr(e, "filename", None) else ""

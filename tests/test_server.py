@@ -1,0 +1,406 @@
+"""The OpenAI-compatible server, run for real on loopback with a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from specbatch.config import EngineArgs
+from specbatch.engine.async_engine import AsyncLLMEngine
+from specbatch.engine.llm import LLM
+from specbatch.engine.prometheus import parse_metrics
+from specbatch.entrypoints.openai_server import build_app
+from specbatch.errors import EngineError
+from specbatch.sampling_params import SamplingParams
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+API_KEY = "test-key"
+MODEL = "tiny"
+
+
+class ServerThread:
+    """uvicorn in a daemon thread on a free loopback port."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server thread died"
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        return self.app.state.engine
+
+
+def engine_kwargs(target: Path, draft: Path, **kw: Any) -> dict[str, Any]:
+    base = dict(
+        model=str(target),
+        draft_model=str(draft),
+        num_speculative_tokens=3,
+        num_kv_blocks=160,
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+    )
+    base.update(kw)
+    return base
+
+
+@pytest.fixture(scope="module")
+def models(make_checkpoint: Callable[..., Path]) -> tuple[Path, Path]:
+    return (
+        make_checkpoint("llama", with_tokenizer=True),
+        make_checkpoint("llama", with_tokenizer=True, seed=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[Path, Path]) -> Iterator[ServerThread]:
+    app = build_app(
+        EngineArgs(**engine_kwargs(*models)),
+        api_key=API_KEY,
+        max_queue_len=64,
+        served_model_name=MODEL,
+    )
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> Any:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def wait_pool_full(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        e = engine.engine
+        if e.num_free_kv_blocks == e.num_kv_blocks and engine.num_in_flight == 0:
+            return
+        time.sleep(0.02)
+    e = engine.engine
+    raise AssertionError(
+        f"blocks leaked: {e.num_free_kv_blocks}/{e.num_kv_blocks} free, "
+        f"{engine.num_in_flight} in flight"
+    )
+
+
+# ---- the openai client --------------------------------------------------------------------------
+
+
+def test_models_and_health(server: ServerThread, client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_completion_and_stream_agree(server: ServerThread, client: Any) -> None:
+    kw = dict(model=MODEL, prompt="hello world", max_tokens=24, temperature=1.0, seed=7)
+    full = client.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == choice.finish_reason and all(f is None for f in finals[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == (
+        full.usage.completion_tokens
+    )
+    wait_pool_full(server.engine)
+
+
+def test_stop_string_never_streamed(server: ServerThread, client: Any) -> None:
+    base = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    if len(base.text) < 6:
+        pytest.skip("the random model's greedy text is too short to pick a stop string")
+    stop = base.text[3:5]
+    kw = dict(model=MODEL, prompt="abc", max_tokens=30, temperature=0, stop=[stop])
+    full = client.completions.create(**kw).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert full.finish_reason == "stop" and stop not in full.text
+    assert streamed == full.text
+
+
+def test_token_id_prompt_and_raw_sse(server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 8, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=auth(), timeout=30
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+    last = json.loads(lines[-2][6:])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"]
+
+
+def test_greedy_equals_llm_generate(server: ServerThread, models: tuple[Path, Path]) -> None:
+    prompts = ["hello world", "the cat sat", "a"]
+    got = []
+    for p in prompts:
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0},
+            headers=auth(),
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    llm = LLM(**engine_kwargs(*models))
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert got == [o.outputs[0].text for o in outs]
+
+
+def test_chat(server: ServerThread, client: Any) -> None:
+    msgs = [{"role": "user", "content": "hi there"}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=10, temperature=0.8, seed=3
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=10, temperature=0.8, seed=3, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+
+
+# ---- disconnects and errors ---------------------------------------------------------------------
+
+
+def test_disconnect_frees_blocks(server: ServerThread) -> None:
+    engine = server.engine.engine
+    real_step = engine.step
+
+    def slow_step() -> list[Any]:  # the tiny model would finish 200 tokens before the close
+        time.sleep(0.005)
+        return real_step()
+
+    aborted = server.engine.num_aborted
+    body = {
+        "model": MODEL,
+        "prompt": "tell me a long story",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    engine.step = slow_step  # type: ignore[method-assign]
+    try:
+        with (
+            httpx.Client(timeout=30) as c,
+            c.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth()) as r,
+        ):
+            assert r.status_code == 200
+            next(r.iter_lines())
+            assert engine.num_free_kv_blocks < engine.num_kv_blocks  # it holds blocks now
+        wait_pool_full(server.engine)
+    finally:
+        engine.step = real_step  # type: ignore[method-assign]
+    assert server.engine.num_aborted == aborted + 1
+    assert server.engine.engine.metrics.num_generated_tokens > 0
+    r = httpx.get(f"{server.url}/metrics")
+    m = parse_metrics(r.text)
+    assert m["specbatch_kv_blocks_used"] == 0
+    assert m['specbatch_request_success_total{finished_reason="abort"}'] >= 1
+
+
+BAD_BODIES = [
+    ({"model": "nope", "prompt": "x"}, "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -3}, "top_k"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, "seed"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": []}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 100000]}, "prompt"),
+    ({"model": MODEL, "prompt": list(range(1, 250)) * 2}, "prompt"),
+    ({"model": MODEL, "prompt": 42}, "prompt"),
+    ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_BODIES)
+def test_bad_input_is_400(server: ServerThread, body: dict[str, Any], param: str) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param, err
+
+
+def test_malformed_json_and_auth(server: ServerThread, client: Any) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{not json",
+        headers={**auth(), "content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}
+    )
+    assert r.status_code == 401
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, top_p=7.0)
+    # still serving
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+    wait_pool_full(server.engine)
+
+
+def test_metrics_page(server: ServerThread, client: Any) -> None:
+    client.completions.create(model=MODEL, prompt="metrics please", max_tokens=6, temperature=0)
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = parse_metrics(r.text)
+    for name in (
+        "specbatch_num_requests_running",
+        "specbatch_num_requests_waiting",
+        "specbatch_kv_blocks_used",
+        "specbatch_generation_tokens_total",
+        "specbatch_prompt_tokens_total",
+        "specbatch_spec_decode_num_draft_tokens_total",
+        "specbatch_spec_decode_num_accepted_tokens_total",
+        "specbatch_spec_decode_acceptance_rate",
+        "specbatch_time_to_first_token_seconds_count",
+        "specbatch_time_per_output_token_seconds_count",
+    ):
+        assert name in m, name
+    assert m["specbatch_spec_decode_num_draft_tokens_total"] > 0
+    assert m["specbatch_time_to_first_token_seconds_count"] >= 1
+    assert 'specbatch_time_to_first_token_seconds_bucket{le="+Inf"}' in m
+
+
+# ---- queue limit, engine failure, no chat template ----------------------------------------------
+
+
+def test_queue_full_then_engine_failure(models: tuple[Path, Path]) -> None:
+    app = build_app(
+        EngineArgs(**engine_kwargs(*models, max_num_seqs=1)),
+        max_queue_len=0,
+        served_model_name=MODEL,
+    )
+    with ServerThread(app) as s:
+        long = {"model": MODEL, "prompt": "a b c", "max_tokens": 8}
+        engine = s.engine.engine
+        real_step, gate = engine.step, threading.Event()
+
+        def gated_step() -> list[Any]:
+            gate.wait(10)  # holds the first request in flight until the 503 is seen
+            return real_step()
+
+        engine.step = gated_step  # type: ignore[method-assign]
+        first: list[httpx.Response] = []
+        t = threading.Thread(
+            target=lambda: first.append(
+                httpx.post(f"{s.url}/v1/completions", json=long, timeout=30)
+            )
+        )
+        t.start()
+        deadline = time.monotonic() + 10
+        while s.engine.num_in_flight < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r2 = httpx.post(f"{s.url}/v1/completions", json=long, timeout=30)
+        gate.set()
+        t.join(30)
+        engine.step = real_step  # type: ignore[method-assign]
+        assert r2.status_code == 503, r2.text
+        assert r2.json()["error"]["type"] == "server_overloaded"
+        assert first[0].status_code == 200, first[0].text
+        wait_pool_full(s.engine)
+        ok = httpx.post(f"{s.url}/v1/completions", json=long, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+        def broken_step() -> list[Any]:
+            raise EngineError("worker 0 died (injected)")
+
+        engine.step = broken_step  # type: ignore[method-assign]
+        r = httpx.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500, r.text
+        assert "injected" in r.json()["error"]["message"]
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "unhealthy"
+        r = httpx.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500
+        assert httpx.get(f"{s.url}/v1/models").status_code == 200  # still answering
+        assert "specbatch_healthy 0" in httpx.get(f"{s.url}/metrics").text
+
+
+def test_chat_without_template_is_400(make_checkpoint: Callable[..., Path]) -> None:
+    target = make_checkpoint("llama", with_tokenizer=True)
+    app = build_app(EngineArgs(model=str(target), num_kv_blocks=32), served_model_name=MODEL)
+    tok = app.state.engine.engine.tokenizer
+    original = tok.chat_template  # the tokenizer is cached and shared with other tests
+    tok.chat_template = None
+    try:
+        with ServerThread(app) as s:
+            r = httpx.post(
+                f"{s.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert r.status_code == 400, r.text
+            assert "chat template" in r.json()["error"]["message"]
+            r = httpx.post(
+                f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            )
+            assert r.status_code == 200
+    finally:
+        tok.chat_template = original
