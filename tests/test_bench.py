@@ -168,6 +168,7 @@ def test_speedup_and_crossover() -> None:
     # (1 - 0.5^3) / (0.5 * (2 * 0.2 + 1)) = 1.75 / 1.4
     assert cells[1].predicted_speedup == pytest.approx(1.25)
     assert crossover(cells)["crossover"] == 8
+    assert crossover(cells)["crossover_by_draft_length"] == {"2": 8}
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0], 100) == 2.0
 

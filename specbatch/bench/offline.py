@@ -316,20 +316,30 @@ def compare_with_plain(cells: list[CellResult]) -> None:
             c.predicted_speedup = predicted_speedup(c.alpha, c.mean_draft_length, c.cost_ratio)
 
 
+def _first_below_one(speedups: dict[int, float]) -> int | None:
+    """The smallest batch size from which on every speedup is below 1 (None: never)."""
+    sizes = sorted(speedups)
+    for i, b in enumerate(sizes):
+        if all(speedups[x] < 1.0 for x in sizes[i:]):
+            return b
+    return None
+
+
 def crossover(cells: Sequence[CellResult]) -> dict[str, Any]:
     """Where speculation stops paying: for each batch size the best measured speculative
-    speedup, and the smallest batch size from which on it stays below 1 (None: never)."""
+    speedup, the smallest batch size from which on it stays below 1 (None: never in the grid),
+    and the same per draft length."""
     best: dict[int, float] = {}
+    by_k: dict[int, dict[int, float]] = {}
     for c in cells:
         if c.draft_length > 0 and c.measured_speedup is not None:
             best[c.batch_size] = max(best.get(c.batch_size, 0.0), c.measured_speedup)
-    sizes = sorted(best)
-    cross = None
-    for i, b in enumerate(sizes):
-        if all(best[x] < 1.0 for x in sizes[i:]):
-            cross = b
-            break
-    return {"best_speedup_by_batch_size": {str(b): best[b] for b in sizes}, "crossover": cross}
+            by_k.setdefault(c.draft_length, {})[c.batch_size] = c.measured_speedup
+    return {
+        "best_speedup_by_batch_size": {str(b): best[b] for b in sorted(best)},
+        "crossover": _first_below_one(best),
+        "crossover_by_draft_length": {str(k): _first_below_one(v) for k, v in sorted(by_k.items())},
+    }
 
 
 # ---- the grid ------------------------------------------------------------------------------

@@ -90,6 +90,12 @@ def format_report(result: BenchResult) -> str:
             if cross is not None
             else "crossover: none in this grid (speculation helps at every batch size measured)"
         )
+    per_k = result.summary.get("crossover_by_draft_length", {})
+    if per_k:
+        lines.append(
+            "per draft length, speculation lowers throughput from batch size: "
+            + ", ".join(f"k={k}: {'-' if b is None else b}" for k, b in per_k.items())
+        )
     lines.append(f"wall time {result.wall_s:.1f} s")
     return "\n".join(lines)
 
