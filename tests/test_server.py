@@ -253,6 +253,26 @@ def test_disconnect_frees_blocks(server: ServerThread) -> None:
     assert m['specbatch_request_success_total{finished_reason="abort"}'] >= 1
 
 
+def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
+    engine = server.engine.engine
+    real_step = engine.step
+
+    def slow_step() -> list[Any]:
+        time.sleep(0.01)
+        return real_step()
+
+    aborted = server.engine.num_aborted
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 200, "ignore_eos": True}
+    engine.step = slow_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=0.3)
+        wait_pool_full(server.engine)
+    finally:
+        engine.step = real_step  # type: ignore[method-assign]
+    assert server.engine.num_aborted == aborted + 1
+
+
 BAD_BODIES = [
     ({"model": "nope", "prompt": "x"}, "model"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "max_tokens"),
@@ -404,3 +424,12 @@ def test_chat_without_template_is_400(make_checkpoint: Callable[..., Path]) -> N
             assert r.status_code == 200
     finally:
         tok.chat_template = original
+
+
+def test_serve_cli_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from specbatch.entrypoints.cli import main
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "error: --port must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["serve", "--max-queue-len", "-1"]) == 2
+    assert "error: --max-queue-len must be >= 0" in capsys.readouterr().err

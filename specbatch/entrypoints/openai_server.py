@@ -120,9 +120,12 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
             raise _bad(f"{name} is not supported by this server (got {json.dumps(v)[:80]})", name)
 
 
-def sampling_params_from(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> SamplingParams:
+def sampling_params_from(
+    body: dict[str, Any], max_tokens_names: tuple[str, ...], default_max_tokens: int | None
+) -> SamplingParams:
+    """``SamplingParams`` from an OpenAI request body (plus vLLM's extra fields)."""
     _reject_unsupported(body)
-    max_tokens = 16
+    max_tokens = default_max_tokens
     for name in max_tokens_names:
         v = _typed(body, name, "int")
         if v is not None:
@@ -322,7 +325,7 @@ class OpenAIServer:
         prompt = _completion_prompt(body)
         stream_flag, include_usage = self._stream_flags(body)
         try:
-            params = sampling_params_from(body, ("max_tokens",))
+            params = sampling_params_from(body, ("max_tokens",), 16)  # OpenAI's default
         except InvalidInputError as e:
             raise _bad(str(e), _field_of(str(e))) from None
         stream = await self.start(prompt, params, "prompt")
@@ -367,7 +370,7 @@ class OpenAIServer:
         messages = _chat_messages(body)
         stream_flag, include_usage = self._stream_flags(body)
         try:
-            params = sampling_params_from(body, ("max_tokens", "max_completion_tokens"))
+            params = sampling_params_from(body, ("max_tokens", "max_completion_tokens"), None)
         except InvalidInputError as e:
             raise _bad(str(e), _field_of(str(e))) from None
         try:
