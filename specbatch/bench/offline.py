@@ -7,8 +7,10 @@ length and generates exactly ``output_len`` tokens (``ignore_eos``).
 
 Engines: one plain engine (the target alone) runs the draft length 0 cells, and one speculative
 engine built with the largest draft length runs every k > 0 cell, its scheduler's policy set to
-``FixedDraftLength(k)`` before the cell. Before each cell a warm-up of ``min(B, 4)`` short
-requests runs, then the engine's counters are reset, so warm-up is excluded from every figure.
+``FixedDraftLength(k)`` before the cell. Both stay up for the whole run, and the cells of one
+batch size run back to back (k = 0 first), so speedups compare figures taken side by side.
+Before each cell a warm-up of ``min(B, 4)`` short requests runs, then the engine's counters are
+reset, so warm-up is excluded from every figure.
 
 Per cell, next to the measured figures, THEORY.md's prediction from measured values:
 
@@ -434,45 +436,45 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
     cells: list[CellResult] = []
     source = ""
-    groups: list[tuple[int, list[int]]] = []
-    if 0 in lengths:
-        groups.append((0, [0]))
-    if spec_lengths:
-        groups.append((max(spec_lengths), spec_lengths))
+    # Both engines stay up, and the cells of one batch size run back to back, so that each
+    # speedup is a ratio of figures taken minutes apart at most, under the same machine load.
+    engines: dict[int, LLMEngine] = {}
     try:
-        for engine_k, ks in groups:
-            engine = _engine(cfg, engine_k, max(sizes))
-            try:
-                workload = build_workload(
+        if 0 in lengths:
+            engines[0] = _engine(cfg, 0, max(sizes))
+        if spec_lengths:
+            engines[max(spec_lengths)] = _engine(cfg, max(spec_lengths), max(sizes))
+        workload = build_workload(
+            next(iter(engines.values())),
+            input_len=cfg.input_len,
+            output_len=cfg.output_len,
+            num_prompts=max(64, max(sizes)),
+            prompts_file=cfg.prompts_file,
+            seed=cfg.seed,
+        )
+        source = workload.source
+        for b in sizes:
+            for k in lengths:
+                engine = engines[0 if k == 0 else max(spec_lengths)]
+                if k > 0:
+                    engine.scheduler.policy = FixedDraftLength(k)
+                if bar is not None:
+                    bar.set_description(f"bench B={b} k={k}")
+                run_cell(engine, workload, b, min(b, WARMUP_REQUESTS), warm)
+                cell = run_cell(
                     engine,
-                    input_len=cfg.input_len,
-                    output_len=cfg.output_len,
-                    num_prompts=max(64, max(sizes)),
-                    prompts_file=cfg.prompts_file,
-                    seed=cfg.seed,
+                    workload,
+                    b,
+                    cfg.requests_for(b),
+                    params,
+                    on_finished=bar.update if bar is not None else None,
+                    first_prompt=WARMUP_REQUESTS,
                 )
-                source = workload.source
-                for b in sizes:
-                    for k in ks:
-                        if engine_k > 0:
-                            engine.scheduler.policy = FixedDraftLength(k)
-                        if bar is not None:
-                            bar.set_description(f"bench B={b} k={k}")
-                        run_cell(engine, workload, b, min(b, WARMUP_REQUESTS), warm)
-                        cell = run_cell(
-                            engine,
-                            workload,
-                            b,
-                            cfg.requests_for(b),
-                            params,
-                            on_finished=bar.update if bar is not None else None,
-                            first_prompt=WARMUP_REQUESTS,
-                        )
-                        cell.draft_length = k
-                        cells.append(cell)
-            finally:
-                engine.shutdown()
+                cell.draft_length = k
+                cells.append(cell)
     finally:
+        for engine in engines.values():
+            engine.shutdown()
         if bar is not None:
             bar.close()
     cells.sort(key=lambda c: (c.batch_size, c.draft_length))
