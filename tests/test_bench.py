@@ -101,6 +101,11 @@ def test_bench_end_to_end(bench_run: tuple[Path, str], capsys: pytest.CaptureFix
             assert 1.0 <= c["mean_tokens_per_round"] <= c["draft_length"] + 1
             assert 0 < c["mean_draft_length"] <= c["draft_length"]
             assert c["cost_ratio"] > 0 and c["verify_ratio"] > 0
+            assert c["predicted_speedup_with_verify"] == pytest.approx(
+                c["predicted_speedup"]
+                * (c["mean_draft_length"] * c["cost_ratio"] + 1)
+                / (c["mean_draft_length"] * c["cost_ratio"] + c["verify_ratio"])
+            )
             assert c["predicted_speedup"] == pytest.approx(
                 predicted_speedup(c["alpha"], c["mean_draft_length"], c["cost_ratio"])
             )

@@ -22,7 +22,8 @@ Per cell, next to the measured figures, THEORY.md's prediction from measured val
   actually proposed, next to the measured speedup (output tokens/s over that of the plain cell
   at the same B). THEORY's model assumes a verify pass costs what a plain step does; the gap
   between the two grows with B, where the verify pass becomes compute-bound: ``verify_ratio``
-  (the target's time per speculative step over its time per plain step) shows by how much.
+  (the target's time per speculative step over its time per plain step) shows by how much, and
+  ``predicted_speedup_with_verify`` = E / (g c + verify_ratio) puts it back into the formula.
 """
 
 from __future__ import annotations
@@ -211,6 +212,8 @@ class CellResult:
     verify_ratio: float | None = None  # target time per step over the plain cell's
     measured_speedup: float | None = None
     predicted_speedup: float | None = None
+    # THEORY's formula with the measured verify cost in place of 1: E / (g c + verify_ratio)
+    predicted_speedup_with_verify: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -316,6 +319,11 @@ def compare_with_plain(cells: list[CellResult]) -> None:
             c.verify_ratio = c.target_s_per_step / p.target_s_per_step
         if c.alpha is not None and c.cost_ratio is not None and c.mean_draft_length is not None:
             c.predicted_speedup = predicted_speedup(c.alpha, c.mean_draft_length, c.cost_ratio)
+            if c.verify_ratio is not None:
+                e = expected_tokens_per_round(c.alpha, c.mean_draft_length)
+                c.predicted_speedup_with_verify = e / (
+                    c.mean_draft_length * c.cost_ratio + c.verify_ratio
+                )
 
 
 def _first_below_one(speedups: dict[int, float]) -> int | None:

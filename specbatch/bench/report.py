@@ -32,6 +32,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("verify", "verify_ratio", 1, 2),
     ("speedup", "measured_speedup", 1, 2),
     ("predicted", "predicted_speedup", 1, 2),
+    ("pred(v)", "predicted_speedup_with_verify", 1, 2),
 )
 
 
@@ -76,7 +77,8 @@ def format_report(result: BenchResult) -> str:
         "pass / plain target step at this B;",
         "verify: target time per speculative step / per plain step (THEORY's model takes 1);",
         "speedup: tok/s over k=0 at the same B; predicted: THEORY.md's "
-        "(1 - a^(g+1)) / ((1 - a)(g c + 1)).",
+        "(1 - a^(g+1)) / ((1 - a)(g c + 1));",
+        "pred(v): the same with the measured verify cost: E[tokens per round] / (g c + verify).",
     ]
     cross = result.summary.get("crossover")
     best = result.summary.get("best_speedup_by_batch_size", {})
