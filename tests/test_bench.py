@@ -37,7 +37,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def bench_run(
     make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, str]:
+) -> tuple[Path, list[str]]:
     target = make_checkpoint("llama", num_layers=2, seed=0)
     draft = make_checkpoint("llama", num_layers=1, seed=1)
     out = tmp_path_factory.mktemp("bench") / "run"
@@ -65,12 +65,14 @@ def bench_run(
         "--out",
         str(out),
     ]
-    return out, " ".join(argv)
+    return out, argv
 
 
-def test_bench_end_to_end(bench_run: tuple[Path, str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_end_to_end(
+    bench_run: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
     out, argv = bench_run
-    assert main(argv.split()) == 0
+    assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "tok/s" in printed and "predicted" in printed
 
