@@ -1,0 +1,245 @@
+"""The OpenAI API's wire format: request bodies checked field by field, errors, SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from specbatch.outputs import RequestOutput
+from specbatch.sampling_params import SamplingParams
+
+DEFAULT_MODEL_NAME = "specbatch-default"
+_FIELD_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(?=[ :])")
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str, param: str | None = None, code: Any = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (
+            status,
+            message,
+            kind,
+            param,
+            code,
+        )
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+# ---- request parsing -------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def typed_field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """``body[name]`` checked against ``kind`` (int, number, bool, str, str_list, int_list);
+    null means the default."""
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    ok = {
+        "int": _is_int(v),
+        "number": _is_num(v),
+        "bool": isinstance(v, bool),
+        "str": isinstance(v, str),
+        "object": isinstance(v, dict),
+        "stop": isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+        "int_list": isinstance(v, list) and all(_is_int(t) for t in v),
+    }[kind]
+    if not ok:
+        what = {
+            "int": "an integer",
+            "number": "a number",
+            "bool": "a boolean",
+            "str": "a string",
+            "object": "an object",
+            "stop": "a string or a list of strings",
+            "int_list": "a list of integers",
+        }[kind]
+        raise bad_request(f"{name} must be {what}, got {json.dumps(v)[:80]}", name)
+    return v
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in (
+        ("presence_penalty", (0, 0.0)),
+        ("frequency_penalty", (0, 0.0)),
+        ("repetition_penalty", (1, 1.0)),
+        ("best_of", (1,)),
+        ("echo", (False,)),
+        ("suffix", ("",)),
+        ("logprobs", (False, 0)),
+        ("top_logprobs", (0,)),
+        ("logit_bias", ({},)),
+    ):
+        v = body.get(name)
+        if v is not None and not (v in neutral and type(v) is type(neutral[0])):
+            raise bad_request(
+                f"{name} is not supported by this server (got {json.dumps(v)[:80]})", name
+            )
+
+
+def sampling_params_from(
+    body: dict[str, Any], max_tokens_names: tuple[str, ...], default_max_tokens: int | None
+) -> SamplingParams:
+    """``SamplingParams`` from an OpenAI request body (plus vLLM's extra fields)."""
+    _reject_unsupported(body)
+    max_tokens = default_max_tokens
+    for name in max_tokens_names:
+        v = typed_field(body, name, "int")
+        if v is not None:
+            max_tokens = v
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": typed_field(body, "temperature", "number", 1.0),
+        "top_p": typed_field(body, "top_p", "number", 1.0),
+        "top_k": typed_field(body, "top_k", "int", 0),
+        "min_p": typed_field(body, "min_p", "number", 0.0),
+        "seed": typed_field(body, "seed", "int"),
+        "stop": typed_field(body, "stop", "stop"),
+        "stop_token_ids": typed_field(body, "stop_token_ids", "int_list"),
+        "ignore_eos": typed_field(body, "ignore_eos", "bool", False),
+        "include_stop_str_in_output": typed_field(
+            body, "include_stop_str_in_output", "bool", False
+        ),
+        "skip_special_tokens": typed_field(body, "skip_special_tokens", "bool", True),
+        "n": typed_field(body, "n", "int", 1),
+    }
+    return SamplingParams(**kwargs)
+
+
+def field_of(message: str) -> str | None:
+    m = _FIELD_RE.match(message)
+    return m.group(1) if m else None
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("prompt is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) != 1:
+            raise bad_request(
+                f"prompt: one prompt per request is supported, got {len(p)}", "prompt"
+            )
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(_is_int(t) for t in p):
+        return p
+    raise bad_request(
+        "prompt must be a string, a list of token ids, or a list holding one of those", "prompt"
+    )
+
+
+def _chat_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise bad_request(
+                    f"{where}.content[{i}]: only text parts are supported", "messages"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{where}.content[{i}].text must be a string", "messages")
+            parts.append(text)
+        return "".join(parts)
+    raise bad_request(f"{where}.content must be a string or a list of text parts", "messages")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request(
+            "messages must be a non-empty list of {role, content} objects", "messages"
+        )
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+        out.append({"role": m["role"], "content": _chat_text(m.get("content"), f"messages[{i}]")})
+    return out
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def usage_of(out: RequestOutput) -> dict[str, int]:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def finish_reason_of(out: RequestOutput) -> str | None:
+    reason = out.outputs[0].finish_reason
+    return None if reason == "abort" else reason
+
+
+class TextDelta:
+    """Text deltas of one request: never streams a (partial) stop string, flushes at finish."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.sent = ""
+        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    def next(self, out: RequestOutput) -> str:
+        text = out.outputs[0].text
+        if not out.finished:
+            text = text[: len(text) - self.hold] if self.hold else text
+            text = text.rstrip("\ufffd")  # an incomplete character: wait for its other bytes
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+def sse_event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that notices a client that went away even while no event is due,
+    and always closes its body iterator (whose ``finally`` aborts the request)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError, Exception):
+                    await task
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+# ---- the app ----------------------------------------------------------------------------------
