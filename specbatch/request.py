@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from specbatch.sampling_params import SamplingParams
+from specbatch.theory import expected_tokens_per_round
 
 
 class RequestStatus(enum.Enum):
@@ -99,14 +100,11 @@ class SpecStats:
         ]
 
     def predicted_tokens_per_round(self) -> float | None:
-        """THEORY.md's E[tokens] = (1 - a^(g+1)) / (1 - a) at the measured alpha and mean gamma."""
+        """THEORY.md's E[tokens] at the measured alpha and the mean draft length."""
         alpha = self.alpha
         if alpha is None:
             return None
-        gamma = self.proposed / self.rounds
-        if alpha >= 1.0:
-            return gamma + 1.0
-        return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
+        return expected_tokens_per_round(alpha, self.proposed / self.rounds)
 
 
 @dataclass

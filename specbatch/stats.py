@@ -146,3 +146,13 @@ def total_variation(
     if a.shape != b.shape:
         raise ValueError(f"total_variation: shapes {a.shape} and {b.shape} differ")
     return float(0.5 * np.abs(a - b).sum())
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``xs``, linear between order statistics; None if empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

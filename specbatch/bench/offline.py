@@ -29,7 +29,6 @@ Per cell, next to the measured figures, THEORY.md's prediction from measured val
 from __future__ import annotations
 
 import json
-import math
 import random
 import sys
 import sysconfig
@@ -45,6 +44,8 @@ from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.stats import percentile
+from specbatch.theory import predicted_speedup
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
@@ -148,30 +149,8 @@ def build_workload(
 
 
 # ---- one cell ------------------------------------------------------------------------------
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) of ``xs``, linear between order statistics."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
-
-
-def expected_tokens_per_round(alpha: float, gamma: float) -> float:
-    """THEORY.md: E[tokens per round] = (1 - a^(g+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
-    """THEORY.md: S = (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
 
 
 @dataclass
@@ -320,9 +299,8 @@ def compare_with_plain(cells: list[CellResult]) -> None:
         if c.alpha is not None and c.cost_ratio is not None and c.mean_draft_length is not None:
             c.predicted_speedup = predicted_speedup(c.alpha, c.mean_draft_length, c.cost_ratio)
             if c.verify_ratio is not None:
-                e = expected_tokens_per_round(c.alpha, c.mean_draft_length)
-                c.predicted_speedup_with_verify = e / (
-                    c.mean_draft_length * c.cost_ratio + c.verify_ratio
+                c.predicted_speedup_with_verify = predicted_speedup(
+                    c.alpha, c.mean_draft_length, c.cost_ratio, c.verify_ratio
                 )
 
 

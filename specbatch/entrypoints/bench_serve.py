@@ -25,6 +25,7 @@ import httpx
 
 from specbatch.engine.prometheus import parse_metrics
 from specbatch.errors import InvalidInputError
+from specbatch.stats import percentile
 
 _WORDS = [
     "the",
@@ -102,19 +103,10 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     """Mean, p50, p90, p99 in milliseconds (linear interpolation), None when empty."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    xs = sorted(values)
-
-    def pct(q: float) -> float:
-        pos = (len(xs) - 1) * q
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
     ms = 1000.0
     return {
-        "mean": sum(xs) / len(xs) * ms,
-        "p50": pct(0.5) * ms,
-        "p90": pct(0.9) * ms,
-        "p99": pct(0.99) * ms,
+        "mean": sum(values) / len(values) * ms,
+        **{f"p{q}": percentile(values, q) * ms for q in (50, 90, 99)},
     }
 
 
