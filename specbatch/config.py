@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # when a draft is given without a draft length
+DEFAULT_MAX_DRAFT_LENGTH = 4  # the cap of num_speculative_tokens="auto"
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -148,6 +149,9 @@ class EngineConfig:
     distributed_executor_backend: str
     ray_address: str | None
     attention_backend: str
+    # num_speculative_tokens="auto": gamma chosen per request and step, up to
+    # num_speculative_tokens (then the max draft length)
+    adaptive_speculation: bool = False
 
     @property
     def speculative(self) -> bool:
@@ -160,7 +164,8 @@ class EngineArgs:
 
     model: str | None = None
     draft_model: str | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | str | None = None  # or "auto" (see max_draft_length)
+    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH
     tokenizer: str | None = None
     dtype: str = "auto"
     seed: int = 0
@@ -198,6 +203,14 @@ class EngineArgs:
         target = self._model_config(model_path, "model", self.tokenizer, device, self.dtype)
         draft = None
         k = self.num_speculative_tokens
+        adaptive = k == "auto"
+        if adaptive:
+            _check_positive_int("max_draft_length", self.max_draft_length)
+            k = self.max_draft_length
+        elif isinstance(k, str):
+            raise InvalidInputError(
+                f"num_speculative_tokens must be an integer >= 0 or 'auto', got {k!r}"
+            )
         # The built-in pair speculates by default; any other target only with a draft given.
         use_builtin_draft = self.model is None and self.draft_model is None and k != 0
         if self.draft_model is not None or use_builtin_draft:
@@ -265,6 +278,7 @@ class EngineArgs:
             distributed_executor_backend=backend,
             ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
             attention_backend=self.attention_backend,
+            adaptive_speculation=adaptive and k > 0,
         )
 
     @staticmethod

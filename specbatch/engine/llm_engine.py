@@ -13,8 +13,9 @@ from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
-from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 from specbatch.tokenizer import eos_token_ids, load_tokenizer
 from specbatch.worker.executor import create_executor
@@ -39,6 +40,9 @@ class LLMEngine:
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.stop_checker = StopChecker(self.tokenizer)
+        policy: SpeculationPolicy = FixedDraftLength(config.num_speculative_tokens)
+        if config.adaptive_speculation:
+            policy = AdaptiveDraftLength(config.num_speculative_tokens, self.kv_cache)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -47,7 +51,7 @@ class LLMEngine:
             ),
             self.kv_cache,
             self.stop_checker,
-            policy=FixedDraftLength(config.num_speculative_tokens),
+            policy=policy,
             speculative=config.speculative,
         )
         self.metrics = EngineMetrics()
@@ -148,7 +152,11 @@ class LLMEngine:
             return []
         result = self.executor.execute(plan)
         touched = self.scheduler.update(plan, result)
-        self.metrics.on_step(plan, result, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        observe = getattr(self.scheduler.policy, "observe", None)
+        if observe is not None:  # an adaptive policy learns from the step it planned
+            observe(plan, result, seconds)
+        self.metrics.on_step(plan, result, seconds)
         return [self._output(req) for req in touched]
 
     def _output(self, req: Request) -> RequestOutput:

@@ -169,6 +169,21 @@ class ServerMetrics:
             "Per-tested-draft acceptance probability: accepted / (accepted + rejections).",
             float("nan") if alpha is None else alpha,
         )
+        counts = getattr(sched.policy, "draft_length_counts", None)
+        if counts is not None:  # an adaptive policy: the draft lengths it granted, 0 included
+            name = f"{PREFIX}_spec_decode_draft_length"
+            lines.append(
+                f"# HELP {name} Draft length granted to a decoding request per step "
+                "(num_speculative_tokens=auto)."
+            )
+            lines.append(f"# TYPE {name} histogram")
+            cumulative = 0
+            for k in range(sched.policy.max_draft_length + 1):
+                cumulative += counts.get(k, 0)
+                lines.append(f'{name}_bucket{{le="{k}"}} {cumulative}')
+            lines.append(f'{name}_bucket{{le="+Inf"}} {sum(counts.values())}')
+            lines.append(f"{name}_sum {sum(k * n for k, n in counts.items())}")
+            lines.append(f"{name}_count {sum(counts.values())}")
         name = f"{PREFIX}_request_success_total"
         lines.extend(
             (f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter")

@@ -43,6 +43,16 @@ class Flag:
         return "--" + self.field.replace("_", "-")
 
 
+def draft_length_arg(value: str) -> int | str:
+    """``--num-speculative-tokens``: an integer, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
 # One entry per EngineArgs field (a test checks that none is missing).
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
@@ -60,9 +70,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "num_speculative_tokens",
+        draft_length_arg,
+        "draft tokens proposed per round, or auto: chosen per request and step for throughput, "
+        "up to --max-draft-length (default: 3 with a draft model, else 0)",
+        metavar="K|auto",
+    ),
+    Flag(
+        "max_draft_length",
         int,
-        "draft tokens proposed per round (default: 4 with a draft model, else 0)",
-        metavar="K",
+        "the largest draft length --num-speculative-tokens auto may choose",
+        metavar="N",
     ),
     Flag("tokenizer", str, "tokenizer directory (default: the model's)", metavar="DIR"),
     Flag(
