@@ -240,3 +240,36 @@ def test_joint_of_first_three_tokens_is_the_targets_with_auto(pair):  # noqa: F8
     print("auto draft lengths granted:", dict(sorted(pol.draft_length_counts.items())))
     assert len(pol.draft_length_counts) >= 3  # several gammas were exercised, 0 included
     assert_matches(samples, exact_joint(pair[0], PROMPT, 3, 1.0))
+
+
+def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
+    from specbatch.bench.offline import AUTO, BenchConfig, run_bench
+    from specbatch.bench.report import format_table
+    from specbatch.entrypoints.cli import build_parser
+
+    target = make_checkpoint("llama", num_layers=2, seed=0)
+    draft = make_checkpoint("llama", num_layers=1, seed=1)
+    ns = build_parser().parse_args(["bench", "--draft-lengths", "0", "2", "auto"])
+    assert ns.draft_lengths == [0, 2, AUTO]
+    cfg = BenchConfig(
+        model=str(target),
+        draft_model=str(draft),
+        batch_sizes=[1, 4],
+        draft_lengths=[0, 2, AUTO],
+        input_len=8,
+        output_len=12,
+        num_requests=4,
+        temperature=1.0,
+        engine_kwargs={"device": "cpu"},
+    )
+    result = run_bench(cfg, progress=False)
+    assert [(c.batch_size, c.draft_length) for c in result.cells] == [
+        (b, k) for b in (1, 4) for k in (0, 2, AUTO)
+    ]
+    for c in result.cells:
+        assert c.output_tokens == 4 * 12 == c.engine_generated_tokens
+        if c.draft_length == AUTO:
+            assert c.measured_speedup is not None and c.measured_speedup > 0
+            assert c.mean_draft_length is None or c.mean_draft_length <= 2
+    table = format_table(result.cells)
+    assert sum(line.split()[1] == "auto" for line in table.splitlines()[2:]) == 2

@@ -29,6 +29,7 @@ Per cell, next to the measured figures, THEORY.md's prediction from measured val
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import sysconfig
@@ -38,15 +39,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbatch.config import EngineArgs
+from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.speculation import FixedDraftLength
 from specbatch.stats import percentile
 from specbatch.theory import predicted_speedup
 
+AUTO = -1  # the draft length of the ``auto`` row: num_speculative_tokens="auto"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
 DEFAULT_INPUT_LEN = 64
@@ -54,6 +57,27 @@ DEFAULT_OUTPUT_LEN = 64
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 8
 TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pair" / "training.json"
+
+
+def draft_length_arg(value: str) -> int:
+    """``--draft-lengths``: an integer, or ``auto`` (as ``AUTO``)."""
+    if value == "auto":
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def draft_length_order(k: int) -> float:
+    """Sort key: fixed draft lengths ascending, then the auto row."""
+    return math.inf if k == AUTO else k
+
+
+def draft_length_label(k: int) -> str:
+    return "auto" if k == AUTO else str(k)
 
 
 def default_num_requests(batch_size: int) -> int:
@@ -351,14 +375,20 @@ class BenchConfig:
 
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise bad("batch_sizes", "must be integers >= 1")
-        if not self.draft_lengths or any(k < 0 for k in self.draft_lengths):
-            raise bad("draft_lengths", "must be integers >= 0")
+        if not self.draft_lengths or any(k < 0 and k != AUTO for k in self.draft_lengths):
+            raise bad("draft_lengths", "must be integers >= 0 (or auto)")
         if self.input_len < 1 or self.output_len < 2:
             raise bad("input_len", "must be >= 1 (and output_len >= 2)")
         if self.num_requests is not None and self.num_requests < 1:
             raise bad("num_requests", "must be >= 1")
-        if max(self.draft_lengths) > 0 and self.model is not None and self.draft_model is None:
+        if self.max_draft_length > 0 and self.model is not None and self.draft_model is None:
             raise bad("draft_lengths", "above 0 need a draft model (--draft-model)")
+
+    @property
+    def max_draft_length(self) -> int:
+        """The speculative engine's draft length: the largest k, else the auto row's default."""
+        fixed = max(self.draft_lengths)
+        return fixed if fixed > 0 or AUTO not in self.draft_lengths else DEFAULT_MAX_DRAFT_LENGTH
 
     def requests_for(self, batch_size: int) -> int:
         return self.num_requests or default_num_requests(batch_size)
@@ -392,7 +422,7 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
-    model_len = cfg.input_len + cfg.output_len + max(cfg.draft_lengths) + 2
+    model_len = cfg.input_len + cfg.output_len + cfg.max_draft_length + 2
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
     args = EngineArgs(
@@ -410,8 +440,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     cfg.check()
     t0 = time.perf_counter()
     sizes = sorted(set(cfg.batch_sizes))
-    lengths = sorted(set(cfg.draft_lengths))
-    spec_lengths = [k for k in lengths if k > 0]
+    lengths = sorted(set(cfg.draft_lengths), key=draft_length_order)
+    spec_lengths = [k for k in lengths if k != 0]
+    k_max = cfg.max_draft_length
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=cfg.temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     total = sum(cfg.requests_for(b) for b in sizes) * len(lengths)
@@ -429,7 +460,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         if 0 in lengths:
             engines[0] = _engine(cfg, 0, max(sizes))
         if spec_lengths:
-            engines[max(spec_lengths)] = _engine(cfg, max(spec_lengths), max(sizes))
+            engines[k_max] = _engine(cfg, k_max, max(sizes))
+        # the auto row's policy lives as long as its engine, as in a server: it calibrates in
+        # its first cell's warm-up and keeps learning from every later auto cell
+        auto = AdaptiveDraftLength(k_max, engines[k_max].kv_cache) if AUTO in lengths else None
         workload = build_workload(
             next(iter(engines.values())),
             input_len=cfg.input_len,
@@ -441,11 +475,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         source = workload.source
         for b in sizes:
             for k in lengths:
-                engine = engines[0 if k == 0 else max(spec_lengths)]
-                if k > 0:
-                    engine.scheduler.policy = FixedDraftLength(k)
+                engine = engines[0 if k == 0 else k_max]
+                if k != 0:
+                    engine.scheduler.policy = auto if k == AUTO else FixedDraftLength(k)
                 if bar is not None:
-                    bar.set_description(f"bench B={b} k={k}")
+                    bar.set_description(f"bench B={b} k={'auto' if k == AUTO else k}")
                 run_cell(engine, workload, b, min(b, WARMUP_REQUESTS), warm)
                 cell = run_cell(
                     engine,
@@ -463,7 +497,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             engine.shutdown()
         if bar is not None:
             bar.close()
-    cells.sort(key=lambda c: (c.batch_size, c.draft_length))
+    cells.sort(key=lambda c: (c.batch_size, draft_length_order(c.draft_length)))
     compare_with_plain(cells)
     config = asdict(cfg)
     config["num_requests_per_cell"] = {str(b): cfg.requests_for(b) for b in sizes}

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from specbatch.bench.offline import BenchResult, CellResult
+from specbatch.bench.offline import AUTO, BenchResult, CellResult, draft_length_label
 
 CSV_FIELDS = [f.name for f in fields(CellResult)]
 
@@ -36,7 +36,9 @@ TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
 )
 
 
-def _cell_text(value: Any, scale: float, digits: int) -> str:
+def _cell_text(value: Any, scale: float, digits: int, name: str = "") -> str:
+    if name == "draft_length":
+        return draft_length_label(value)
     if value is None:
         return "-"
     if digits == 0:
@@ -48,7 +50,7 @@ def format_table(cells: Sequence[CellResult]) -> str:
     """One line per cell, numbers right-aligned."""
     headers = [h for h, *_ in TABLE_COLUMNS]
     rows = [
-        [_cell_text(getattr(c, name), scale, d) for _, name, scale, d in TABLE_COLUMNS]
+        [_cell_text(getattr(c, name), scale, d, name) for _, name, scale, d in TABLE_COLUMNS]
         for c in cells
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -147,7 +149,7 @@ def plot_throughput_latency(cells: Sequence[CellResult], path: Path, title: str)
         if not pts:
             continue
         xs, ys, _ = zip(*pts, strict=True)
-        label = "plain (k=0)" if k == 0 else f"k={k}"
+        label = "plain (k=0)" if k == 0 else f"k={draft_length_label(k)}"
         ax.plot(xs, ys, marker="o", label=label)
         for x, y, b in pts:
             ax.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -175,20 +177,21 @@ def plot_speedup(
 
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    spec = {k: g for k, g in _by_draft_length(cells).items() if k > 0}
+    spec = {k: g for k, g in _by_draft_length(cells).items() if k > 0 or k == AUTO}
     for i, (k, group) in enumerate(spec.items()):
         color = colors[i % len(colors)]
         meas = [(c.batch_size, c.measured_speedup) for c in group if c.measured_speedup]
         pred = [(c.batch_size, c.predicted_speedup) for c in group if c.predicted_speedup]
         if meas:
-            ax.plot(*zip(*meas, strict=True), marker="o", color=color, label=f"k={k} measured")
+            name = draft_length_label(k)
+            ax.plot(*zip(*meas, strict=True), marker="o", color=color, label=f"k={name} measured")
         if pred:
             ax.plot(
                 *zip(*pred, strict=True),
                 marker="x",
                 linestyle="--",
                 color=color,
-                label=f"k={k} predicted",
+                label=f"k={draft_length_label(k)} predicted",
             )
     ax.axhline(1.0, color="black", linewidth=0.8)
     if crossover is not None:

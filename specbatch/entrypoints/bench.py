@@ -15,6 +15,7 @@ from specbatch.bench.offline import (
     DEFAULT_DRAFT_LENGTHS,
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
+    draft_length_arg,
 )
 
 FIELDS = (
@@ -57,11 +58,12 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-lengths",
-        type=int,
+        type=draft_length_arg,
         nargs="+",
         default=list(DEFAULT_DRAFT_LENGTHS),
         metavar="K",
-        help="draft tokens per round, 0 = plain decoding "
+        help="draft tokens per round, 0 = plain decoding, auto = num_speculative_tokens=auto "
+        "up to the largest K (default 4 when none is given) "
         f"(default: {' '.join(map(str, DEFAULT_DRAFT_LENGTHS))})",
     )
     p.add_argument(
