@@ -30,8 +30,9 @@ from tests.test_exactness import PROMPT, N, assert_matches, engine, pair, sample
 
 
 def synthetic(theta: tuple[float, float, float, float]) -> StepCostModel:
+    """A known cost model: (fixed, per target token, per draft pass, per draft token) seconds."""
     model = StepCostModel()
-    model.theta = list(theta)
+    model.theta = [theta[0], 0.0, *theta[1:]]
     return model
 
 
@@ -87,13 +88,13 @@ def test_choice_is_deterministic():
 # ---- estimates ---------------------------------------------------------------------------------
 def test_cost_model_fit_recovers_a_linear_step_time():
     rng = random.Random(0)
-    truth = (0.004, 0.0002, 0.0015, 0.00005)
+    truth = (0.004, 0.0003, 0.0002, 0.0015, 0.00005)
     model = StepCostModel(decay=1.0)
 
     def point() -> list[float]:
         n, passes, prefill = rng.randint(1, 64), rng.randint(0, 4), rng.choice((0, 0, 32))
         gammas = [rng.randint(0, passes) for _ in range(n)]
-        return step_features(n + prefill + sum(gammas), gammas)
+        return step_features(n + (prefill > 0), n + prefill + sum(gammas), gammas)
 
     def time_of(x: list[float]) -> float:
         return sum(a * b for a, b in zip(truth, x))
@@ -165,7 +166,8 @@ def run(
                 toks = [100 + base + i for i in range(a + 1)]
                 result.results[sr.request_id] = RequestStepResult(toks, a)
         gammas = [sr.num_draft for sr in plan.requests if sr.sample]
-        seconds = sum(a * b for a, b in zip(truth, step_features(plan.num_target_tokens, gammas)))
+        x = step_features(len(plan.requests), plan.num_target_tokens, gammas)
+        seconds = sum(a * b for a, b in zip((truth[0], 0.0, *truth[1:]), x))
         sched.update(plan, result)
         pol.observe(plan, result, seconds)
         if all(len(sr.target_token_ids) == 1 for sr in plan.requests):

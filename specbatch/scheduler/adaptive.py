@@ -8,8 +8,9 @@ maximise the batch's expected emitted tokens per second::
 * ``E(a, g) = (1 - a^(g+1)) / (1 - a)`` (THEORY.md), with ``alpha_i`` a Beta-style posterior
   mean: the request's own accepted / tested drafts plus ``prior_strength`` pseudo-draws at the
   engine-wide alpha (itself counted from the rounds this policy observed).
-* ``T`` is a linear step-time model (``StepCostModel``) in the target tokens, the number of
-  draft passes (the largest gamma: the draft proposes autoregressively, one batched pass per
+* ``T`` is a linear step-time model (``StepCostModel``) in the scheduled sequences (per-request
+  work: attention, inputs, the draft's catch-up pass), the target tokens, the number of draft
+  passes (the largest gamma: the draft proposes autoregressively, one batched pass per
   position) and the draft tokens, fitted by ridge least squares with exponential forgetting on the
   observed (plan, step time) pairs. Its first ``calibration_steps`` steps cycle a uniform gamma
   through ``0 .. max`` so that the fit sees the real models at every draft length.
@@ -41,13 +42,14 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def step_features(target_tokens: int, gammas: Sequence[int]) -> list[float]:
-    """The cost model's features: [1, target tokens, draft passes, draft tokens]."""
-    return [1.0, float(target_tokens), float(max(gammas, default=0)), float(sum(gammas))]
+def step_features(num_seqs: int, target_tokens: int, gammas: Sequence[int]) -> list[float]:
+    """The cost model's features: [1, sequences, target tokens, draft passes, draft tokens]."""
+    g = float(max(gammas, default=0))
+    return [1.0, float(num_seqs), float(target_tokens), g, float(sum(gammas))]
 
 
 class StepCostModel:
-    """``t = th0 + th1 * target_tokens + th2 * draft_passes + th3 * draft_tokens``, seconds.
+    """``t = th0 + th1 seqs + th2 target_tokens + th3 draft_passes + th4 draft_tokens``, seconds.
 
     Ridge least squares pulled towards ``prior`` (relative to the mean observed step time, so
     the prior is unit-free) with forgetting factor ``decay``; coefficients are clipped at 0.
@@ -56,15 +58,15 @@ class StepCostModel:
 
     def __init__(
         self,
-        prior: Sequence[float] = (1.0, 0.002, 0.3, 0.01),
+        prior: Sequence[float] = (1.0, 0.01, 0.002, 0.2, 0.005),
         prior_weight: float = 0.05,
         decay: float = 0.995,
     ) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)
         self.prior_weight = prior_weight
         self.decay = decay
-        self.xtx = np.zeros((4, 4))
-        self.xty = np.zeros(4)
+        self.xtx = np.zeros((5, 5))
+        self.xty = np.zeros(5)
         self.weight = 0.0  # sum of decayed observation weights
         self.time_sum = 0.0  # decayed sum of step times, for the prior's scale
         self.num_observations = 0
@@ -85,9 +87,11 @@ class StepCostModel:
         theta = np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior)
         self.theta = np.maximum(theta, 0.0)
 
-    def predict(self, target_tokens: int, draft_passes: int, draft_tokens: int) -> float:
-        a, b, c, d = (float(v) for v in self.theta)
-        return a + b * target_tokens + c * draft_passes + d * draft_tokens
+    def predict(
+        self, num_seqs: int, target_tokens: int, draft_passes: int, draft_tokens: int
+    ) -> float:
+        a, b, c, d, e = (float(v) for v in self.theta)
+        return a + b * num_seqs + c * target_tokens + d * draft_passes + e * draft_tokens
 
 
 class AdaptiveDraftLength:
@@ -170,7 +174,7 @@ class AdaptiveDraftLength:
         """
         n = len(alphas)
         base_tokens = float(n)  # every request emits at least one token
-        best = (base_tokens / self.cost.predict(n, 0, 0), 0, 0)
+        best = (base_tokens / self.cost.predict(n, n, 0, 0), 0, 0)
         best_gains: list[tuple[float, int]] = []
         for passes in range(1, max(caps, default=0) + 1):
             gains = sorted(
@@ -180,7 +184,7 @@ class AdaptiveDraftLength:
             total = base_tokens
             for k, (gain, _) in enumerate(gains, start=1):
                 total += gain
-                t = self.cost.predict(n + k, passes, k)
+                t = self.cost.predict(n, n + k, passes, k)
                 if t > 0 and total / t > best[0] * (1 + 1e-9):
                     best = (total / t, passes, k)
                     best_gains = gains[:k]
@@ -217,4 +221,5 @@ class AdaptiveDraftLength:
                 self.draft_length_counts[sr.num_draft] += 1
             if r is not None and sr.num_draft:
                 self.spec.record(sr.num_draft, r.num_accepted)
-        self.cost.observe(step_features(plan.num_target_tokens, gammas), step_seconds)
+        features = step_features(len(plan.requests), plan.num_target_tokens, gammas)
+        self.cost.observe(features, step_seconds)
