@@ -275,3 +275,39 @@ def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
             assert c.mean_draft_length is None or c.mean_draft_length <= 2
     table = format_table(result.cells)
     assert sum(line.split()[1] == "auto" for line in table.splitlines()[2:]) == 2
+
+
+def test_cli_flags_take_auto(capsys):
+    from specbatch.entrypoints.cli import build_parser
+    from specbatch.entrypoints.engine_flags import engine_args_from
+
+    argv = ["generate", "--prompts", "p.txt", "--output", "o.jsonl"]
+    ns = build_parser().parse_args([*argv, "--num-speculative-tokens", "auto"])
+    ns_max = build_parser().parse_args(
+        [*argv, "--num-speculative-tokens", "auto", "--max-draft-length", "6"]
+    )
+    assert engine_args_from(ns).num_speculative_tokens == "auto"
+    assert engine_args_from(ns).max_draft_length == 4
+    assert engine_args_from(ns_max).max_draft_length == 6
+    assert (
+        build_parser().parse_args([*argv, "--num-speculative-tokens", "2"]).num_speculative_tokens
+        == 2
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--num-speculative-tokens", "many"])
+    assert "integer or 'auto'" in capsys.readouterr().err
+
+
+def test_engine_args_reject_bad_auto_settings(pair):  # noqa: F811
+    from specbatch.config import EngineArgs
+    from specbatch.errors import InvalidInputError
+
+    target, draft = map(str, pair)
+    with pytest.raises(InvalidInputError, match="num_speculative_tokens must be an integer"):
+        EngineArgs(target, draft, num_speculative_tokens="sometimes").create_engine_config()
+    with pytest.raises(InvalidInputError, match="max_draft_length must be an integer >= 1"):
+        EngineArgs(
+            target, draft, num_speculative_tokens="auto", max_draft_length=0
+        ).create_engine_config()
+    cfg = EngineArgs(target, draft, num_speculative_tokens=2, max_num_seqs=4).create_engine_config()
+    assert not cfg.adaptive_speculation and cfg.num_speculative_tokens == 2
