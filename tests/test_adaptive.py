@@ -30,9 +30,11 @@ from tests.test_exactness import PROMPT, N, assert_matches, engine, pair, sample
 
 
 def synthetic(theta: tuple[float, float, float, float]) -> StepCostModel:
-    """A known cost model: (fixed, per target token, per draft pass, per draft token) seconds."""
+    """A known cost model: (fixed, per target token, per draft pass, per draft token) seconds,
+    as the model's (fixed, per sequence, per prompt token, per pass, per draft token)."""
+    fixed, per_target, per_pass, per_draft = theta
     model = StepCostModel()
-    model.theta = [theta[0], 0.0, *theta[1:]]
+    model.theta = [fixed, per_target, per_target, per_pass, per_draft + per_target]
     return model
 
 
@@ -94,7 +96,7 @@ def test_cost_model_fit_recovers_a_linear_step_time():
     def point() -> list[float]:
         n, passes, prefill = rng.randint(1, 64), rng.randint(0, 4), rng.choice((0, 0, 32))
         gammas = [rng.randint(0, passes) for _ in range(n)]
-        return step_features(n + (prefill > 0), n + prefill + sum(gammas), gammas)
+        return step_features(n + (prefill > 0), prefill, gammas)
 
     def time_of(x: list[float]) -> float:
         return sum(a * b for a, b in zip(truth, x))
@@ -146,6 +148,7 @@ def run(
     each step 'takes' the synthetic ``truth`` cost model's time. Returns the granted gammas of the
     decoding requests, step by step."""
     rng = random.Random(seed)
+    cost = synthetic(truth)
     kv = KVCacheManager(num_blocks, 4)
     pol = AdaptiveDraftLength(k, kv)
     sched = Scheduler(
@@ -166,8 +169,8 @@ def run(
                 toks = [100 + base + i for i in range(a + 1)]
                 result.results[sr.request_id] = RequestStepResult(toks, a)
         gammas = [sr.num_draft for sr in plan.requests if sr.sample]
-        x = step_features(len(plan.requests), plan.num_target_tokens, gammas)
-        seconds = sum(a * b for a, b in zip((truth[0], 0.0, *truth[1:]), x))
+        prompt = sum(len(sr.target_token_ids) - sr.sample for sr in plan.requests)
+        seconds = cost.predict(*step_features(len(plan.requests), prompt, gammas)[1:])
         sched.update(plan, result)
         pol.observe(plan, result, seconds)
         if all(len(sr.target_token_ids) == 1 for sr in plan.requests):

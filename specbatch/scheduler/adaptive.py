@@ -9,10 +9,11 @@ maximise the batch's expected emitted tokens per second::
   mean: the request's own accepted / tested drafts plus ``prior_strength`` pseudo-draws at the
   engine-wide alpha (itself counted from the rounds this policy observed).
 * ``T`` is a linear step-time model (``StepCostModel``) in the scheduled sequences (per-request
-  work: attention, inputs, the draft's catch-up pass), the target tokens, the number of draft
-  passes (the largest gamma: the draft proposes autoregressively, one batched pass per
-  position) and the draft tokens, fitted by ridge least squares with exponential forgetting on the
-  observed (plan, step time) pairs. Its first ``calibration_steps`` steps cycle a uniform gamma
+  work: attention, inputs, the draft's catch-up pass), the prompt tokens (prefill chunks), the
+  number of draft passes (the largest gamma: the draft proposes autoregressively, one batched
+  pass per position) and the draft tokens (each drafted once and verified once), fitted by
+  ridge least squares with exponential forgetting on the observed (plan, step time) pairs.
+  Its first ``calibration_steps`` steps cycle a uniform gamma
   through ``0 .. max`` so that the fit sees the real models at every draft length.
 * KV blocks: when given the KV manager, the policy never plans more draft slots than the free
   blocks hold (the scheduler shrinks further if needed; it never preempts for drafts).
@@ -42,14 +43,18 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def step_features(num_seqs: int, target_tokens: int, gammas: Sequence[int]) -> list[float]:
-    """The cost model's features: [1, sequences, target tokens, draft passes, draft tokens]."""
+def step_features(num_seqs: int, prompt_tokens: int, gammas: Sequence[int]) -> list[float]:
+    """The cost model's features: [1, sequences, prompt tokens, draft passes, draft tokens].
+
+    Prompt tokens are the target tokens of a step other than each sampling request's last token
+    and its drafts: prefill is much cheaper per token than a decode or verify position, so the
+    two get separate coefficients (a verify position's cost is in the draft-token one)."""
     g = float(max(gammas, default=0))
-    return [1.0, float(num_seqs), float(target_tokens), g, float(sum(gammas))]
+    return [1.0, float(num_seqs), float(prompt_tokens), g, float(sum(gammas))]
 
 
 class StepCostModel:
-    """``t = th0 + th1 seqs + th2 target_tokens + th3 draft_passes + th4 draft_tokens``, seconds.
+    """``t = th0 + th1 seqs + th2 prompt_tokens + th3 draft_passes + th4 draft_tokens``, seconds.
 
     Ridge least squares pulled towards ``prior`` (relative to the mean observed step time, so
     the prior is unit-free) with forgetting factor ``decay``; coefficients are clipped at 0.
@@ -58,7 +63,7 @@ class StepCostModel:
 
     def __init__(
         self,
-        prior: Sequence[float] = (1.0, 0.01, 0.002, 0.2, 0.005),
+        prior: Sequence[float] = (1.0, 0.01, 0.001, 0.2, 0.01),
         prior_weight: float = 0.05,
         decay: float = 0.995,
     ) -> None:
@@ -88,10 +93,10 @@ class StepCostModel:
         self.theta = np.maximum(theta, 0.0)
 
     def predict(
-        self, num_seqs: int, target_tokens: int, draft_passes: int, draft_tokens: int
+        self, num_seqs: int, prompt_tokens: int, draft_passes: int, draft_tokens: int
     ) -> float:
         a, b, c, d, e = (float(v) for v in self.theta)
-        return a + b * num_seqs + c * target_tokens + d * draft_passes + e * draft_tokens
+        return a + b * num_seqs + c * prompt_tokens + d * draft_passes + e * draft_tokens
 
 
 class AdaptiveDraftLength:
@@ -174,7 +179,7 @@ class AdaptiveDraftLength:
         """
         n = len(alphas)
         base_tokens = float(n)  # every request emits at least one token
-        best = (base_tokens / self.cost.predict(n, n, 0, 0), 0, 0)
+        best = (base_tokens / self.cost.predict(n, 0, 0, 0), 0, 0)
         best_gains: list[tuple[float, int]] = []
         for passes in range(1, max(caps, default=0) + 1):
             gains = sorted(
@@ -184,7 +189,7 @@ class AdaptiveDraftLength:
             total = base_tokens
             for k, (gain, _) in enumerate(gains, start=1):
                 total += gain
-                t = self.cost.predict(n, n + k, passes, k)
+                t = self.cost.predict(n, 0, passes, k)
                 if t > 0 and total / t > best[0] * (1 + 1e-9):
                     best = (total / t, passes, k)
                     best_gains = gains[:k]
@@ -214,12 +219,14 @@ class AdaptiveDraftLength:
     def observe(self, plan: SchedulerOutput, result: StepResult, step_seconds: float) -> None:
         """Learn from a finished step: acceptance counts and the step time against the plan."""
         gammas = []
+        prompt_tokens = 0
         for sr in plan.requests:
+            prompt_tokens += len(sr.target_token_ids) - (1 if sr.sample else 0)
             r = result.results.get(sr.request_id)
             if sr.sample:
                 gammas.append(sr.num_draft)
                 self.draft_length_counts[sr.num_draft] += 1
             if r is not None and sr.num_draft:
                 self.spec.record(sr.num_draft, r.num_accepted)
-        features = step_features(len(plan.requests), plan.num_target_tokens, gammas)
+        features = step_features(len(plan.requests), prompt_tokens, gammas)
         self.cost.observe(features, step_seconds)
