@@ -19,12 +19,12 @@ from specbatch.request import Request
 from specbatch.scheduler.adaptive import (
     AdaptiveDraftLength,
     StepCostModel,
-    expected_tokens,
     step_features,
 )
 from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.stop_checker import StopChecker
+from specbatch.theory import expected_tokens_per_round
 from tests.helpers import exact_joint
 from tests.test_exactness import PROMPT, N, assert_matches, engine, pair, sample_sequences  # noqa: F401
 
@@ -44,9 +44,9 @@ def policy(k: int, theta, **kw) -> AdaptiveDraftLength:
 
 # ---- the choice on a known cost model ----------------------------------------------------------
 def test_expected_tokens_is_theorys_formula():
-    assert expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens_per_round(0.5, 0) == 1.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_per_round(1.0, 3) == 4.0
 
 
 def test_picks_zero_when_drafts_cost_more_than_they_return():
@@ -66,7 +66,7 @@ def test_grows_gamma_when_acceptance_is_high():
     assert values == sorted(values) and values[0] == 0 and values[-1] >= 6, by_alpha
     # the one-request choice is THEORY's optimum of S(gamma)
     for a, g in by_alpha.items():
-        best = max(range(9), key=lambda k: expected_tokens(a, k) / (1 + 0.1 * k))
+        best = max(range(9), key=lambda k: expected_tokens_per_round(a, k) / (1 + 0.1 * k))
         assert g == best, (a, g, best)
 
 

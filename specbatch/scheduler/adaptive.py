@@ -36,13 +36,6 @@ from specbatch.scheduler.output import SchedulerOutput, StepResult
 ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """THEORY.md: E[tokens per round] = (1 - a^(g+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
 def step_features(num_seqs: int, prompt_tokens: int, gammas: Sequence[int]) -> list[float]:
     """The cost model's features: [1, sequences, prompt tokens, draft passes, draft tokens].
 
