@@ -28,17 +28,14 @@ Per cell, next to the measured figures, THEORY.md's prediction from measured val
 
 from __future__ import annotations
 
-import json
 import math
-import random
 import sys
-import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from specbatch.bench.workload import Workload, build_workload
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
@@ -56,7 +53,6 @@ DEFAULT_INPUT_LEN = 64
 DEFAULT_OUTPUT_LEN = 64
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 8
-TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pair" / "training.json"
 
 
 def draft_length_arg(value: str) -> int:
@@ -84,92 +80,6 @@ def default_num_requests(batch_size: int) -> int:
     """Requests measured per cell: enough for the engine to stay full a while, few enough that
     the default grid finishes in minutes on a CPU."""
     return max(2 * batch_size, 8)
-
-
-# ---- workload ------------------------------------------------------------------------------
-@dataclass
-class Workload:
-    """Prompts of exactly ``input_len`` token ids; request ``i`` uses ``prompts[i % n]``."""
-
-    prompts: list[list[int]]
-    input_len: int
-    output_len: int
-    source: str
-
-    def prompt(self, i: int) -> list[int]:
-        return self.prompts[i % len(self.prompts)]
-
-
-def _fit(ids: Sequence[int], length: int) -> list[int]:
-    """``ids`` cut to ``length`` tokens, or repeated until it is that long."""
-    if not ids:
-        raise InvalidInputError("prompts: a prompt has no tokens")
-    reps = -(-length // len(ids))
-    return (list(ids) * reps)[:length]
-
-
-def heldout_token_stream(tokenizer: Any) -> tuple[list[int], str]:
-    """The built-in pair's held-out stdlib files (training.json), read from this interpreter's
-    stdlib and tokenized end to end."""
-    meta = json.loads(TRAINING_JSON.read_text())
-    paths = meta["data"]["heldout_files"]["paths"]
-    root = Path(sysconfig.get_paths()["stdlib"])
-    ids: list[int] = []
-    found = 0
-    for rel in paths:
-        f = root / rel
-        try:
-            text = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        found += 1
-        try:  # whole files are longer than the models' context: no warning for that
-            ids.extend(tokenizer.encode(text, verbose=False))
-        except TypeError:
-            ids.extend(tokenizer.encode(text))
-    if not ids:
-        raise InvalidInputError(f"prompts: none of the held-out stdlib files is under {root}")
-    return ids, f"held-out stdlib files ({found}/{len(paths)} under {root})"
-
-
-def build_workload(
-    engine: LLMEngine,
-    *,
-    input_len: int,
-    output_len: int,
-    num_prompts: int,
-    prompts_file: str | None = None,
-    seed: int = 0,
-) -> Workload:
-    """The prompts: from ``prompts_file`` (.txt or .jsonl, each cut or repeated to
-    ``input_len`` tokens), else windows of ``input_len`` tokens at random offsets of the held-out
-    stdlib text, else (a model without a tokenizer) random token ids."""
-    rng = random.Random(seed)
-    tok = engine.tokenizer
-    if prompts_file is not None:
-        from specbatch.entrypoints.prompts_file import read_prompts
-
-        pf = read_prompts(prompts_file)
-        if pf.errors:
-            e = pf.errors[0]
-            raise InvalidInputError(f"prompts: {pf.where(e.line_no)}: {e.message}")
-        if not pf.prompts:
-            raise InvalidInputError(f"prompts: '{prompts_file}' holds no prompt")
-        prompts = [
-            _fit(engine.prepare_prompt(p.prompt, field="prompts")[1], input_len) for p in pf.prompts
-        ]
-        return Workload(prompts, input_len, output_len, f"file {prompts_file}")
-    if tok is not None:
-        stream, source = heldout_token_stream(tok)
-        if len(stream) <= input_len:
-            stream = _fit(stream, input_len + 1)
-        starts = [rng.randrange(len(stream) - input_len) for _ in range(num_prompts)]
-        prompts = [stream[s : s + input_len] for s in starts]
-        return Workload(prompts, input_len, output_len, source)
-    vocab = engine.config.target.vocab_size
-    low = 3 if vocab > 3 else 0  # random checkpoints keep 0-2 for unk/bos/eos
-    prompts = [[rng.randrange(low, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
-    return Workload(prompts, input_len, output_len, f"random token ids (seed {seed})")
 
 
 # ---- one cell ------------------------------------------------------------------------------
