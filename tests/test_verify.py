@@ -176,6 +176,14 @@ def test_cli_usage_errors(
     assert message in err and "Traceback" not in err
 
 
+def test_model_without_draft_is_refused(
+    pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--model", pair[0]]) == 2
+    err = capsys.readouterr().err
+    assert "give both, or neither" in err and "Traceback" not in err
+
+
 def test_prompt_errors_name_the_flag(
     pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

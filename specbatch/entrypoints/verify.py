@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specbatch.config import default_model_path
+from specbatch.errors import InvalidInputError
 from specbatch.exactness import (
     DEFAULT_TEXT_PROMPT,
     format_report,
@@ -37,8 +39,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, metavar="DIR", help="target model directory")
-    p.add_argument("--draft-model", required=True, metavar="DIR", help="draft model directory")
+    p.add_argument(
+        "--model", metavar="DIR", help="target model directory (default: the built-in pair)"
+    )
+    p.add_argument("--draft-model", metavar="DIR", help="draft model directory")
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -87,11 +91,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
 
+    if (args.model is None) != (args.draft_model is None):
+        raise InvalidInputError(
+            "--model and --draft-model: give both, or neither to check the built-in pair"
+        )
+    model = args.model or default_model_path("target")
+    draft = args.draft_model or default_model_path("draft")
     skip = {"model", "draft_model", "num_speculative_tokens", "seed"}
     engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field not in skip}
     report = verify_exactness(
-        args.model,
-        args.draft_model,
+        model,
+        draft,
         num_speculative_tokens=args.num_speculative_tokens,
         num_samples=args.num_samples,
         num_tokens=args.tokens,
