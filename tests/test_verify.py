@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specbatch.entrypoints.cli import main
-from specbatch.exactness import format_report, verify_exactness
 from specbatch.errors import InvalidInputError
+from specbatch.exactness import format_report, verify_exactness
 from specbatch.testing.checkpoints import make_random_checkpoint
 
 SMALL = dict(
