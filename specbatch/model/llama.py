@@ -51,7 +51,6 @@ def architecture_of(hf_config: Any) -> str:
     return archs[0]
 
 
-
 def check_architecture(hf_config: Any) -> str:
     """The config's architecture, if this module implements it (and its activation)."""
     arch = architecture_of(hf_config)
@@ -64,6 +63,7 @@ def check_architecture(hf_config: Any) -> str:
     if act != "silu":
         raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
     return arch
+
 
 def head_dim_of(hf_config: Any) -> int:
     return int(
