@@ -303,7 +303,7 @@ def _drive(
     spec = engine.metrics.summary() if speculative else {}
     if spec.get("acceptance_rate") is not None:
         summary += (
-            f"; acceptance rate {spec['acceptance_rate']:.3f}, "
+            f"; acceptance rate {spec['acceptance_rate']:.3f} (alpha {spec['alpha']:.3f}), "
             f"{spec['mean_tokens_per_round']:.2f} tokens per round"
         )
     _say(summary)
