@@ -1,4 +1,4 @@
-"""The ``specbatch`` command: ``specbatch generate ...``, ``specbatch verify ...``.
+"""The ``specbatch`` command: ``generate``, ``verify``, ``bench``, ``bench serve`` and ``serve``.
 
 Every user error (a bad flag value, a model directory that is not a checkpoint, a KV budget too
 small, a missing file) ends as ``error: <message>`` on stderr with exit status 2, never a

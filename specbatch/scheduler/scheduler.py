@@ -224,18 +224,6 @@ class Scheduler:
             touched.append(req)
         return touched
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
-        """Finish a running request from outside (e.g. a stop string found by the detokenizer)."""
-        req = self.requests[request_id]
-        if req.is_finished:
-            return
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        req.finish_reason = reason
-        self._finish(req)
-
     def _finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
         req.finished_time = time.monotonic()
