@@ -132,7 +132,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "attention_backend",
         str,
-        "auto, torch, or a GPU backend (flash-attn, xformers) when installed",
+        "auto or torch (the only backend so far; flash-attn and xformers are planned)",
         metavar="NAME",
     ),
 )
