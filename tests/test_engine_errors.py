@@ -53,6 +53,11 @@ def test_empty_and_over_long_prompts_name_the_prompt_and_the_limit(llm):
 def test_text_prompt_without_a_tokenizer(llm):
     with pytest.raises(InvalidInputError, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
+    # stop strings need a tokenizer too; the valid prompt before it is not left queued
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, stop=["x"])]
+    with pytest.raises(InvalidInputError, match="stop strings need a tokenizer"):
+        llm.generate([{"prompt_token_ids": [5]}] * 2, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_model_paths(tmp_path, make_checkpoint):

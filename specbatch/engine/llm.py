@@ -48,11 +48,13 @@ class LLM:
                 raise InvalidInputError(
                     f"sampling_params: {len(params)} given for {len(items)} prompts"
                 )
-        for i, p in enumerate(items):
-            self.engine.prepare_prompt(p, field=f"prompts[{i}]")
-        ids = [
-            self.engine.add_request(p, sp, field=f"prompts[{i}]")
+        checked = [
+            self.engine.check_request(p, sp, field=f"prompts[{i}]")
             for i, (p, sp) in enumerate(zip(items, params))
+        ]  # all or nothing: a bad prompt leaves no request of this call behind
+        ids = [
+            self.engine.add_checked_request(text, tokens, sp)
+            for (text, tokens), sp in zip(checked, params)
         ]
         try:
             done = self._run(set(ids), use_tqdm)

@@ -105,6 +105,14 @@ class LLMEngine:
             )
         return text, ids
 
+    def check_request(
+        self, prompt: PromptInput, params: SamplingParams, field: str = "prompt"
+    ) -> tuple[str | None, list[int]]:
+        """Everything ``add_request`` would refuse, checked without adding anything."""
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
+        return self.prepare_prompt(prompt, field)
+
     def add_request(
         self,
         prompt: PromptInput,
@@ -113,9 +121,17 @@ class LLMEngine:
         field: str = "prompt",
     ) -> str:
         params = params or SamplingParams()
-        if params.stop_strings and self.tokenizer is None:
-            raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
-        text, ids = self.prepare_prompt(prompt, field)
+        text, ids = self.check_request(prompt, params, field)
+        return self.add_checked_request(text, ids, params, request_id)
+
+    def add_checked_request(
+        self,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request that ``check_request`` accepted (its text and token ids)."""
         rid = request_id if request_id is not None else str(next(self._ids))
         seed = params.seed
         if seed is None:  # derived from the engine's seed: reproducible from run to run
@@ -123,7 +139,7 @@ class LLMEngine:
         self.scheduler.add_request(
             Request(
                 request_id=rid,
-                prompt_token_ids=ids,
+                prompt_token_ids=prompt_token_ids,
                 sampling_params=params,
                 max_model_len=self.config.max_model_len,
                 eos_token_ids=self.eos_token_ids,
