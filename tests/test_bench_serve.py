@@ -15,13 +15,9 @@ from typing import Any
 
 import pytest
 
+from specbatch.bench.serve_load import percentiles, run_benchmark, synthetic_prompts
 from specbatch.config import EngineArgs
-from specbatch.entrypoints.bench_serve import (
-    parse_rates,
-    percentiles,
-    run_benchmark,
-    synthetic_prompts,
-)
+from specbatch.entrypoints.bench_serve import parse_rates
 from specbatch.entrypoints.cli import main
 from specbatch.entrypoints.openai_server import build_app
 
