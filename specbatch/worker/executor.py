@@ -13,6 +13,9 @@ class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
     def init_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, plan: SchedulerOutput) -> StepResult: ...
+    def profile_passes(
+        self, token_counts: list[int], context_len: int
+    ) -> dict[str, list[float]]: ...
     def shutdown(self) -> None: ...
 
 
@@ -54,6 +57,9 @@ class UniprocExecutor:
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return self.worker.execute(plan)
+
+    def profile_passes(self, token_counts: list[int], context_len: int) -> dict[str, list[float]]:
+        return self.worker.profile_passes(token_counts, context_len)
 
     def shutdown(self) -> None:
         pass

@@ -85,6 +85,52 @@ class Worker:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks, self.config.block_size)
 
+    @torch.inference_mode()
+    def profile_passes(
+        self, token_counts: list[int], context_len: int, rounds: int = 3
+    ) -> dict[str, list[float]]:
+        """Seconds of one forward of each model over N one-token sequences at position
+        ``context_len`` (logits and probabilities of every token included), for each N in
+        ``token_counts``: the fastest of ``rounds`` interleaved rounds (two past 128 tokens),
+        after a warm-up.
+
+        Run before any request: every dummy sequence reads and writes the same first KV blocks,
+        which no request holds yet (a request writes its slots before it reads them)."""
+        block_size = self.config.block_size
+        table = list(range(context_len // block_size + 1))
+        st = _sampling_tensors([SamplingParams()], self.device)
+        runners = {"target": self.target} | ({"draft": self.draft} if self.draft else {})
+        best = {name: [float("inf")] * len(token_counts) for name in runners}
+
+        def timed(runner: ModelRunner, n: int) -> float:
+            inputs = build_inputs(
+                torch.zeros(n, dtype=torch.int64, device=self.device),
+                [1] * n,
+                [context_len] * n,
+                [table] * n,
+                block_size,
+                self.device,
+            )
+            self._sync()
+            t0 = time.perf_counter()
+            rows = torch.arange(n, device=self.device)
+            logits_to_probs(runner.forward(inputs, rows), st)  # st's one row broadcasts
+            self._sync()
+            return time.perf_counter() - t0
+
+        for runner in runners.values():
+            timed(runner, token_counts[0])  # warm-up
+        for r in range(rounds):
+            for name, runner in runners.items():
+                for i, n in enumerate(token_counts):
+                    if r < 2 or n <= 128:
+                        best[name][i] = min(best[name][i], timed(runner, n))
+        return best
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -178,8 +224,6 @@ class Worker:
         )
         rows = [ends[sampling[i].request_id] for i in proposers]
         logits = draft.forward(inputs, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        if not proposers:
-            return drafts, q
         active = proposers
         for j in range(g_max):
             idx = torch.tensor(active, dtype=torch.int64, device=self.device)
@@ -225,19 +269,25 @@ class Worker:
         draft_rows: list[int] = []
         draft_src: list[int] = []
         logit_rows: list[int] = []
+        expand: list[int] = []  # row of the computed logits behind each [b, k] of p
+        i = 0  # index among the sampling requests
         for r in reqs:
             start = len(ids)
             ids.extend(r.target_token_ids)
             g = gamma_of.get(r.request_id, 0)
             if g:
-                i = len(logit_rows) // (g_max + 1)
                 draft_rows.extend(range(len(ids), len(ids) + g))
                 draft_src.extend(range(i * g_max, i * g_max + g))
                 ids.extend([0] * g)
             q_lens.append(len(ids) - start)
             if r.sample:
+                # logits only at the request's g + 1 verified positions; p's padding positions
+                # (k > g, never read by the rejection sampler) repeat the bonus row
                 last = start + len(r.target_token_ids) - 1
-                logit_rows.extend(last + min(k, g) for k in range(g_max + 1))
+                first = len(logit_rows)
+                logit_rows.extend(range(last, last + g + 1))
+                expand.extend(first + min(k, g) for k in range(g_max + 1))
+                i += 1
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device)
         if draft_rows:
             dst = torch.tensor(draft_rows, dtype=torch.int64, device=self.device)
@@ -255,5 +305,7 @@ class Worker:
         logits = self.target.forward(inputs, rows if logit_rows else None)
         if not sampling:
             return logits.new_empty((0, g_max + 1, logits.shape[-1]))
-        st = _sampling_tensors(params, self.device).repeat_interleave([g_max + 1] * len(params))
-        return logits_to_probs(logits, st).view(len(sampling), g_max + 1, -1)
+        st = _sampling_tensors(params, self.device).repeat_interleave([g + 1 for g in gammas])
+        probs = logits_to_probs(logits, st)
+        rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
+        return probs.index_select(0, rows).view(len(sampling), g_max + 1, -1)
