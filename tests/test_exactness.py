@@ -96,8 +96,9 @@ class PerRequestGamma:
     policy would: the batch mixes gammas 0, 2 and 5 in the same steps."""
 
     max_draft_length = 5
+    lazy_draft = True  # the gamma-0 requests' drafts never see their prompts
 
-    def draft_lengths(self, requests):
+    def draft_lengths(self, requests, shape=None):
         return [(0, 2, 5)[int(r.request_id) % 3] for r in requests]
 
 

@@ -23,7 +23,7 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
-from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
+from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy, StepShape
 from specbatch.stop_checker import StopChecker
 
 
@@ -110,7 +110,13 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            draft_tokens = req.token_slice(req.num_draft_computed, end) if self.speculative else []
+            # The draft catches up on its unseen tokens in the steps where it proposes, and on
+            # prompt chunks unless the policy is lazy; a decoding request that drafts nothing
+            # this step lets it lag, so a gamma of 0 costs no draft work at all.
+            catch_up = self.speculative and (
+                rid in gammas or (self._prompt_chunk(req, n) and not self.policy.lazy_draft)
+            )
+            draft_tokens = req.token_slice(req.num_draft_computed, end) if catch_up else []
             out.requests.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -143,6 +149,11 @@ class Scheduler:
             i += 1
         return preempted
 
+    @staticmethod
+    def _prompt_chunk(req: Request, n: int) -> bool:
+        """Whether scheduling ``n`` tokens of ``req`` is prefill rather than one decoding step."""
+        return req.num_computed + n < req.num_tokens or n > 1
+
     def _grant_drafts(self, chosen: list[tuple[Request, int]], budget: int) -> dict[str, int]:
         """Draft lengths for decoding requests, within length limits, budget and free blocks."""
         if not self.speculative:
@@ -150,8 +161,19 @@ class Scheduler:
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
         if not decoding:
             return {}
+        shape = StepShape(
+            num_seqs=len(chosen),
+            target_tokens=sum(n for _, n in chosen),
+            catchup_tokens=0
+            if self.policy.lazy_draft
+            else sum(  # the prompt chunks'; decoding requests' lags come with them
+                r.num_computed + n - r.num_draft_computed
+                for r, n in chosen
+                if self._prompt_chunk(r, n)
+            ),
+        )
         gammas: dict[str, int] = {}
-        for req, want in zip(decoding, self.policy.draft_lengths(decoding)):
+        for req, want in zip(decoding, self.policy.draft_lengths(decoding, shape)):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
             gamma = max(0, min(want, room_len, room_out, budget))
