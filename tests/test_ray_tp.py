@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from specbatch import LLM, EngineError, InvalidInputError, SamplingParams
+from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from tests.helpers import exact_joint, make_perturbed_draft
 from tests.test_exactness import PROMPT, assert_matches, engine, sample_sequences
 
@@ -101,7 +102,7 @@ def engines(pair, ray_cluster) -> Iterator[Any]:
 
     def get(name: str, tp: int) -> LLM:
         if (name, tp) not in built:
-            gamma = {"plain": 0, "spec": GAMMA}[name]
+            gamma = {"plain": 0, "spec": GAMMA, "auto": "auto"}[name]
             built[name, tp] = engine(pair, gamma, seed=SEED, tensor_parallel_size=tp)
         return built[name, tp]
 
@@ -165,6 +166,16 @@ def test_greedy_tp2_equals_tp1(engines, name: str) -> None:
 @pytest.mark.parametrize("name", ["plain", "spec"])
 def test_seeded_sampling_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), SEEDED) == token_ids(engines(name, 1), SEEDED)
+
+
+def test_auto_profiles_through_the_ranks_and_decodes_as_tp1(engines) -> None:
+    llm = engines("auto", 2)
+    policy = llm.engine.scheduler.policy
+    assert isinstance(policy, AdaptiveDraftLength)
+    # the start-up profile ran on both ranks together (their collectives pair up) and came back
+    assert policy.cost.target.y.min() > 0 and policy.cost.draft.y.min() > 0
+    assert token_ids(llm, GREEDY) == token_ids(engines("plain", 1), GREEDY)
+    assert sum(policy.draft_length_counts.values()) > 0
 
 
 def test_one_ray_round_per_step_and_timings(engines) -> None:

@@ -16,6 +16,7 @@ from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
+from specbatch.scheduler.step_cost import StepCostModel, profile_token_counts
 from specbatch.stop_checker import StopChecker
 from specbatch.tokenizer import eos_token_ids, load_tokenizer
 from specbatch.worker.executor import create_executor
@@ -42,7 +43,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.tokenizer)
         policy: SpeculationPolicy = FixedDraftLength(config.num_speculative_tokens)
         if config.adaptive_speculation:
-            policy = AdaptiveDraftLength(config.num_speculative_tokens, self.kv_cache)
+            policy = self.adaptive_policy(config.num_speculative_tokens)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -192,6 +193,23 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics.of(req),
         )
+
+    def adaptive_policy(self, max_draft_length: int) -> AdaptiveDraftLength:
+        """A fresh ``auto`` policy whose cost model starts from the passes of both models,
+        profiled now on the workers. Only while no request holds KV blocks (the dummy passes
+        write into the first ones)."""
+        if self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
+            raise EngineError("adaptive_policy: profile the passes before any request runs")
+        cfg = self.config
+        # up to the most tokens a decoding step can verify, or 512 (past that a forward's
+        # time grows linearly; PassTimes continues the last slope)
+        most = cfg.max_num_batched_tokens, cfg.max_num_seqs * (max_draft_length + 1), 512
+        counts = profile_token_counts(min(most))
+        # dummy sequences at half the context length (at most 256), inside the pool
+        context = min(cfg.max_model_len // 2, 256, self.kv_cache.num_blocks * cfg.block_size - 1)
+        profile = self.executor.profile_passes(counts, context)
+        cost = StepCostModel.from_profile(counts, profile)
+        return AdaptiveDraftLength(max_draft_length, cost, self.kv_cache)
 
     # ---- introspection ---------------------------------------------------------------------
     @property

@@ -3,18 +3,16 @@
 Each step the policy picks ``gamma_i`` in ``0 .. max_draft_length`` for every decoding request to
 maximise the batch's expected emitted tokens per second::
 
-    sum_i E(alpha_i, gamma_i) / T(batch)
+    sum_i E(alpha_i, gamma_i) / T(plan)
 
 * ``E(a, g) = (1 - a^(g+1)) / (1 - a)`` (THEORY.md), with ``alpha_i`` a Beta-style posterior
   mean: the request's own accepted / tested drafts plus ``prior_strength`` pseudo-draws at the
   engine-wide alpha (itself counted from the rounds this policy observed).
-* ``T`` is a linear step-time model (``StepCostModel``) in the scheduled sequences (per-request
-  work: attention, inputs, the draft's catch-up pass), the prompt tokens (prefill chunks), the
-  number of draft passes (the largest gamma: the draft proposes autoregressively, one batched
-  pass per position) and the draft tokens (each drafted once and verified once), fitted by
-  ridge least squares with exponential forgetting on the observed (plan, step time) pairs.
-  Its first ``calibration_steps`` steps cycle a uniform gamma
-  through ``0 .. max`` so that the fit sees the real models at every draft length.
+* ``T`` is ``StepCostModel`` (step_cost.py): the draft's and the target's time per forward as a
+  function of its tokens, profiled on the real models at start-up, summed over the forwards the
+  plan would run, plus a linear residual fitted on every decoding step's observed time. The
+  first ``calibration_rounds`` rounds of steps sweep a uniform gamma through ``0 .. max`` so
+  that real steps of every length are timed early.
 * KV blocks: when given the KV manager, the policy never plans more draft slots than the free
   blocks hold (the scheduler shrinks further if needed; it never preempts for drafts).
 
@@ -24,7 +22,7 @@ random draws, so the output distribution is untouched (exactness holds for any g
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,93 +30,47 @@ import numpy as np
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request, SpecStats
 from specbatch.scheduler.output import SchedulerOutput, StepResult
+from specbatch.scheduler.speculation import StepShape
+from specbatch.scheduler.step_cost import StepCostModel
 
 ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
-
-
-def step_features(num_seqs: int, prompt_tokens: int, gammas: Sequence[int]) -> list[float]:
-    """The cost model's features: [1, sequences, prompt tokens, draft passes, draft tokens].
-
-    Prompt tokens are the target tokens of a step other than each sampling request's last token
-    and its drafts: prefill is much cheaper per token than a decode or verify position, so the
-    two get separate coefficients (a verify position's cost is in the draft-token one)."""
-    g = float(max(gammas, default=0))
-    return [1.0, float(num_seqs), float(prompt_tokens), g, float(sum(gammas))]
-
-
-class StepCostModel:
-    """``t = th0 + th1 seqs + th2 prompt_tokens + th3 draft_passes + th4 draft_tokens``, seconds.
-
-    Ridge least squares pulled towards ``prior`` (relative to the mean observed step time, so
-    the prior is unit-free) with forgetting factor ``decay``; coefficients are clipped at 0.
-    ``theta`` may also be set directly (a synthetic cost model in tests).
-    """
-
-    def __init__(
-        self,
-        prior: Sequence[float] = (1.0, 0.01, 0.001, 0.2, 0.01),
-        prior_weight: float = 0.05,
-        decay: float = 0.995,
-    ) -> None:
-        self.prior = np.asarray(prior, dtype=np.float64)
-        self.prior_weight = prior_weight
-        self.decay = decay
-        self.xtx = np.zeros((5, 5))
-        self.xty = np.zeros(5)
-        self.weight = 0.0  # sum of decayed observation weights
-        self.time_sum = 0.0  # decayed sum of step times, for the prior's scale
-        self.num_observations = 0
-        self.theta = self.prior.copy()
-
-    def observe(self, features: Sequence[float], seconds: float) -> None:
-        x = np.asarray(features, dtype=np.float64)
-        self.xtx = self.decay * self.xtx + np.outer(x, x)
-        self.xty = self.decay * self.xty + x * seconds
-        self.weight = self.decay * self.weight + 1.0
-        self.time_sum = self.decay * self.time_sum + seconds
-        self.num_observations += 1
-        # The prior, in seconds, scaled by the mean step time; its weight on each coefficient is
-        # that of ``prior_weight`` typical observations of the feature (unit-free, weak: the data
-        # decide once there are a few steps).
-        prior = self.prior * (self.time_sum / self.weight)
-        lam = max(self.prior_weight, 1e-6) * np.maximum(np.diag(self.xtx) / self.weight, 1e-9)
-        theta = np.linalg.solve(self.xtx + np.diag(lam), self.xty + lam * prior)
-        self.theta = np.maximum(theta, 0.0)
-
-    def predict(
-        self, num_seqs: int, prompt_tokens: int, draft_passes: int, draft_tokens: int
-    ) -> float:
-        a, b, c, d, e = (float(v) for v in self.theta)
-        return a + b * num_seqs + c * prompt_tokens + d * draft_passes + e * draft_tokens
 
 
 class AdaptiveDraftLength:
     """Per-request draft lengths in ``0 .. max_draft_length`` maximising expected tokens/s."""
 
+    lazy_draft = True  # a request that never drafts costs no draft work, its prompt included
+
     def __init__(
         self,
         max_draft_length: int,
+        cost_model: StepCostModel,
         kv_cache: KVCacheManager | None = None,
-        cost_model: StepCostModel | None = None,
         *,
         prior_alpha: float = 0.7,
         prior_strength: float = 8.0,
-        calibration_rounds: int = 2,
-        explore_every: int = 64,
+        calibration_rounds: int = 1,
+        explore_every: int = 16,
+        uniform_margin: float = 0.03,
+        switch_margin: float = 0.03,
     ) -> None:
         if max_draft_length < 1:
             raise ValueError(f"max_draft_length must be >= 1, got {max_draft_length}")
         self.max_draft_length = max_draft_length
         self.kv = kv_cache
-        self.cost = cost_model or StepCostModel()
+        self.cost = cost_model
         self.prior_alpha = prior_alpha
         self.prior_strength = prior_strength
         self.calibration_steps = calibration_rounds * (max_draft_length + 1)
         self.explore_every = explore_every
+        self.uniform_margin = uniform_margin
+        self.switch_margin = switch_margin
         self.spec = SpecStats()  # every round this policy observed, all requests together
         self.draft_length_counts: Counter[int] = Counter()  # granted gamma per decoding request
         self._decode_steps = 0  # steps with decoding requests that the policy planned
-        self._since_draft = 0  # planned steps since the last one with a draft
+        self._depth = 0  # the deepest draft of the last plan the policy chose
+        self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
+        self._seen: OrderedDict[str, tuple[int, int]] = OrderedDict()  # (accepted, tested)
 
     # ---- estimates ---------------------------------------------------------------------------
     @property
@@ -134,6 +86,29 @@ class AdaptiveDraftLength:
         a = (s.accepted + self.prior_strength * self.engine_alpha) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
+    def _learn_prior_strength(self, requests: list[Request], refit: bool) -> None:
+        """Empirical Bayes: how many pseudo-draws the engine-wide alpha is worth in a request's
+        estimate, from how much the alphas of recent requests (the last 256 seen, 10+ tested
+        drafts each) spread beyond what their own sampling noise explains. Requests that all
+        draft alike get a strong prior (little noise from a few rounds); a workload mixing easy
+        and hard requests gets a weak one (each request's own rate counts soon)."""
+        for r in requests:
+            self._seen[r.request_id] = (r.spec.accepted, r.spec.accepted + r.spec.rejections)
+            self._seen.move_to_end(r.request_id)
+        while len(self._seen) > 256:
+            self._seen.popitem(last=False)
+        if not refit:
+            return
+        counts = np.array([(a, t) for a, t in self._seen.values() if t >= 10], dtype=float)
+        if len(counts) < 8:
+            return
+        rates = counts[:, 0] / counts[:, 1]
+        mean = float(rates.mean())
+        noise = float(np.mean(mean * (1 - mean) / counts[:, 1]))
+        spread = max(float(rates.var()) - noise, 1e-4)
+        strength = mean * (1 - mean) / spread - 1
+        self.prior_strength = float(np.clip(strength, 2.0, 200.0))
+
     def _caps(self, requests: list[Request]) -> list[int]:
         """Per-request gamma caps from max_draft_length and, with the KV manager, free blocks."""
         caps = [self.max_draft_length] * len(requests)
@@ -146,50 +121,135 @@ class AdaptiveDraftLength:
         return caps
 
     # ---- the choice ----------------------------------------------------------------------------
-    def draft_lengths(self, requests: list[Request]) -> list[int]:
+    def draft_lengths(self, requests: list[Request], shape: StepShape | None = None) -> list[int]:
         if not requests:
             return []
+        shape = shape or StepShape.decoding(requests)
         caps = self._caps(requests)
         step = self._decode_steps
         self._decode_steps += 1
         if step < self.calibration_steps:  # sweep gamma 0..max, uniform over the batch
             g = step % (self.max_draft_length + 1)
-            gammas = [min(g, c) for c in caps]
-        elif self._since_draft >= self.explore_every:  # keep alpha and draft costs measured
-            gammas = [min(1, c) for c in caps]
-        else:
-            gammas = self.choose([self.alpha_of(r) for r in requests], caps)
-        gammas = self._fit_free_blocks(requests, gammas)
-        self._since_draft = 0 if any(gammas) else self._since_draft + 1
-        return gammas
+            return self._fit_free_blocks(requests, [min(g, c) for c in caps])
+        self._learn_prior_strength(requests, refit=step % self.explore_every == 0)
+        alphas = [self.alpha_of(r) for r in requests]
+        lags = [self._amortised_lag(r) for r in requests]
+        gammas = self.choose(alphas, caps, shape, lags)
+        self._depth = max(gammas, default=0)
+        bucket = self.cost.batch_bucket(shape.num_seqs)
+        seen = self._steps_by_batch[bucket]
+        self._steps_by_batch[bucket] += 1
+        # explore every explore_every-th step at a batch size, and every other one of its first
+        # eight: a new batch size has its own costs to learn
+        if seen % self.explore_every == self.explore_every - 1 or (seen < 8 and seen % 2):
+            gammas = self._explore(gammas, caps, shape.num_seqs)
+        return self._fit_free_blocks(requests, gammas)
 
-    def choose(self, alphas: Sequence[float], caps: Sequence[int]) -> list[int]:
-        """Gammas maximising sum E(alpha_i, g_i) / T over g_i <= caps[i].
+    @staticmethod
+    def _amortised_lag(req: Request) -> float:
+        """The draft's catch-up on the request's unseen tokens (its prompt, on its first draft),
+        priced per round as if spread over the rounds left: it is paid once, and then the
+        request drafts with a lag of a token or two. Paid at once, it would make the first
+        draft, or drafting again after a pause, look too dear ever to start; ignored, it would
+        start drafting near the end of a request, where it cannot pay off."""
+        lag = req.num_tokens - req.num_draft_computed
+        rounds_left = max(1.0, (req.max_output_tokens - len(req.output_token_ids)) / 2)
+        return 1.0 + max(0, lag - 1) / rounds_left
 
-        For each number of draft passes G, the marginal gain of a request's j-th draft is
-        alpha^j, decreasing in j, so taking the largest gains first gives the best numerator for
-        every total; the best (G, total) pair wins. Ties keep the smaller choice.
+    def _explore(self, chosen: list[int], caps: list[int], num_seqs: int) -> list[int]:
+        """A uniform plan one draft position shallower or deeper than the chosen one (the one
+        measured less at this batch size), so the step times beside the policy's choice stay
+        measured: the cost model's correction for a depth the policy never ran would never
+        change."""
+        deepest = max(chosen)
+        depths = [g for g in (deepest - 1, deepest + 1) if 0 <= g <= self.max_draft_length]
+        g = min(depths, key=lambda d: self.cost.steps_seen(num_seqs, d))
+        return [min(g, c) for c in caps]
+
+    def acceptance(self, alphas: Sequence[float]) -> np.ndarray:
+        """[J, n]: the chance that request i's j-th draft is accepted if the ones before it were.
+
+        Each request's alpha, times the engine-wide shape over draft positions (conditional
+        acceptance at position j over alpha, measured over every observed round; 1 where
+        fewer than 50 rounds reached j): later drafts of a round are accepted more often than
+        the first, as they follow drafts the target agreed with."""
+        shape = np.ones(self.max_draft_length)
+        s, a = self.spec, self.engine_alpha
+        for j, (acc, reached) in enumerate(zip(s.accepted_by_position, s.reached_by_position)):
+            if j < len(shape) and reached >= 50 and a > 0:
+                shape[j] = acc / reached / a
+        return np.minimum(shape[:, None] * np.asarray(alphas)[None, :], ALPHA_CAP)
+
+    def choose(
+        self,
+        alphas: Sequence[float],
+        caps: Sequence[int],
+        shape: StepShape,
+        lags: Sequence[float] | None = None,
+    ) -> list[int]:
+        """Gammas maximising ``sum E(alpha_i, g_i) / T`` over ``g_i <= caps[i]``.
+
+        Two families of plans are priced by the cost model: the uniform ones (every request
+        ``min(G, cap)``, G = 0 .. max) and per-request ones. The j-th draft of request i adds
+        the chance that it and every draft before it are accepted (``acceptance``), decreasing
+        in j (THEORY.md's ``alpha_i^j`` when acceptance is the same at every position); its
+        first also makes the draft catch up on the request's ``lags[i]`` unseen tokens (1 when
+        not given). For each deepest draft position G the candidate drafts (j <= G) are taken
+        by decreasing gain, and every prefix of that order is a plan. A per-request plan must
+        beat the best uniform one by ``uniform_margin``: the estimates it leans on are noisy,
+        and uneven progress leaves the slow requests to finish in a thinner batch. Drafting
+        after a plan without drafts, or not after one with, must beat the last plan's depth by
+        ``switch_margin``: flapping between the two makes the draft catch up in bursts.
         """
         n = len(alphas)
-        base_tokens = float(n)  # every request emits at least one token
-        best = (base_tokens / self.cost.predict(n, 0, 0, 0), 0, 0)
-        best_gains: list[tuple[float, int]] = []
-        for passes in range(1, max(caps, default=0) + 1):
-            gains = sorted(
-                ((alphas[i] ** j, i) for i in range(n) for j in range(1, min(passes, caps[i]) + 1)),
-                key=lambda gi: (-gi[0], gi[1]),
+        g_max = max(caps, default=0)
+        if g_max == 0:
+            return [0] * n
+        cap = np.asarray(caps)
+        lag = np.ones(n) if lags is None else np.asarray(lags, dtype=np.float64)
+        gains = np.cumprod(self.acceptance(alphas)[:g_max], axis=0)  # [J, n], j-major
+
+        def seconds(catchup: np.ndarray, drafts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+            return self.cost.predict(
+                shape.num_seqs, shape.catchup_tokens + catchup, shape.target_tokens, drafts, sizes
             )
-            total = base_tokens
-            for k, (gain, _) in enumerate(gains, start=1):
-                total += gain
-                t = self.cost.predict(n, 0, passes, k)
-                if t > 0 and total / t > best[0] * (1 + 1e-9):
-                    best = (total / t, passes, k)
-                    best_gains = gains[:k]
-        gammas = [0] * n
-        for _, i in best_gains:
-            gammas[i] += 1
-        return gammas
+
+        # uniform plans [G+1, n]
+        uniform = np.minimum(np.arange(g_max + 1)[:, None], cap[None, :])
+        expected = np.vstack([np.ones(n), 1 + np.cumsum(gains, axis=0)])  # [g, i]: E(tokens)
+        tokens = np.take_along_axis(expected, uniform, axis=0)
+        sizes = (uniform[:, :, None] >= np.arange(2, g_max + 1)[None, None, :]).sum(axis=1)
+        rates = tokens.sum(axis=1) / seconds(
+            (lag[None, :] * (uniform > 0)).sum(axis=1), uniform.sum(axis=1), sizes
+        )
+        u = int(np.argmax(rates))
+        # starting or stopping drafting pays a margin, against flapping between the two
+        stay = min(self._depth, g_max)
+        if (u == 0) != (stay == 0) and rates[u] < rates[stay] * (1 + self.switch_margin):
+            u = stay
+        best_rate = float(rates[u]) * (1 + self.uniform_margin)
+        best = uniform[u]
+        if n == 1:  # one request: the uniform plans are all the plans
+            return [int(best[0])]
+
+        allowed = np.arange(1, g_max + 1)[:, None] <= cap[None, :]  # [J, n]
+        for deepest in range(1, g_max + 1):
+            pos_j, pos_i = np.nonzero(allowed[:deepest])
+            gain = gains[pos_j, pos_i]
+            order = np.argsort(-gain, kind="stable")  # ties: shallower drafts first
+            pos_j, pos_i, gain = pos_j[order], pos_i[order], gain[order]
+            k = len(gain)
+            passes = np.zeros((k, deepest - 1))  # requests in draft passes 2..deepest
+            deep = pos_j > 0
+            passes[np.nonzero(deep)[0], pos_j[deep] - 1] = 1.0
+            catchup = np.cumsum(np.where(pos_j == 0, lag[pos_i], 0.0))
+            drafts = np.arange(1, k + 1, dtype=np.float64)
+            rate = (n + np.cumsum(gain)) / seconds(catchup, drafts, np.cumsum(passes, axis=0))
+            m = int(np.argmax(rate))
+            if rate[m] > best_rate * (1 + 1e-9):
+                best_rate = float(rate[m])
+                best = np.bincount(pos_i[: m + 1], minlength=n)
+        return [int(g) for g in best]
 
     def _fit_free_blocks(self, requests: list[Request], gammas: list[int]) -> list[int]:
         """Shrink the plan, last requests first, so that its new blocks fit in the free ones."""
@@ -210,16 +270,19 @@ class AdaptiveDraftLength:
 
     # ---- after the step ------------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, step_seconds: float) -> None:
-        """Learn from a finished step: acceptance counts and the step time against the plan."""
-        gammas = []
-        prompt_tokens = 0
+        """Learn from a finished step: acceptance counts, the timed forwards and the step time."""
         for sr in plan.requests:
-            prompt_tokens += len(sr.target_token_ids) - (1 if sr.sample else 0)
+            if not sr.sample:
+                continue
+            self.draft_length_counts[sr.num_draft] += 1
             r = result.results.get(sr.request_id)
-            if sr.sample:
-                gammas.append(sr.num_draft)
-                self.draft_length_counts[sr.num_draft] += 1
             if r is not None and sr.num_draft:
                 self.spec.record(sr.num_draft, r.num_accepted)
-        features = step_features(len(plan.requests), prompt_tokens, gammas)
-        self.cost.observe(features, step_seconds)
+        if all(sr.sample and len(sr.target_token_ids) == 1 for sr in plan.requests):
+            self.cost.observe(
+                num_seqs=len(plan.requests),
+                catchup_tokens=sum(len(sr.draft_token_ids) for sr in plan.requests),
+                target_tokens=len(plan.requests),
+                gammas=[sr.num_draft for sr in plan.requests],
+                step_seconds=step_seconds,
+            )

@@ -1,0 +1,201 @@
+"""What a step costs, in seconds, as a function of its plan: the adaptive policy's cost model.
+
+A speculative step is a sequence of forwards (worker.py): the draft's catch-up pass over the
+tokens it has not seen (only when some request drafts), one draft pass per further draft
+position over the requests still drafting, and ONE target pass over every scheduled token plus
+the drafts. So::
+
+    T = draft(catch-up tokens) + sum_{j >= 2} draft(n_j) + target(tokens + drafts)
+
+``draft`` and ``target`` are each model's time for one forward of N tokens (``PassTimes``),
+profiled on the real models at start-up (``Worker.profile_passes``); ``n_j`` is the number of
+requests drafting at least ``j`` tokens. A forward's time is far from linear in its tokens: on a
+CPU one target token costs about as much as six (the weights are read once either way), past a
+few dozen each adds the same again; the profile keeps that shape, and every decoding step's
+observed time corrects its level where the policy works (``StepCostModel``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def profile_token_counts(max_tokens: int) -> list[int]:
+    """Token counts at which the passes are profiled: every count to 8, then four to an octave
+    (8, 10, 12, 14, 16, 20, ...), and ``max_tokens`` itself."""
+    counts = list(range(1, 8))
+    octave = 8
+    while octave < max_tokens:
+        counts += [octave * m // 4 for m in (4, 5, 6, 7)]
+        octave *= 2
+    return [c for c in counts if c < max_tokens] + [max_tokens]
+
+
+class PassTimes:
+    """Seconds of one forward as a function of its token count: piecewise linear through the
+    profiled ``(counts, seconds)`` made non-decreasing (``isotonic``), continued past the last
+    count with the slope of the last segment; 0 for 0 tokens."""
+
+    def __init__(self, counts: Sequence[int], seconds: Sequence[float]) -> None:
+        if len(counts) != len(seconds) or not counts:
+            raise ValueError("PassTimes needs one time per token count, and at least one")
+        order = np.argsort(counts)
+        self.x = np.asarray(counts, dtype=np.float64)[order]
+        self.y = isotonic(np.asarray(seconds, dtype=np.float64)[order])
+        if len(self.x) > 1:
+            self.slope = (self.y[-1] - self.y[-2]) / (self.x[-1] - self.x[-2])
+        else:
+            self.slope = self.y[-1] / self.x[-1]
+        # every whole count up to twice the last one, looked up rather than interpolated: the
+        # policy prices hundreds of plans per step
+        self.table = self._at(np.arange(int(2 * self.x[-1]) + 1))
+
+    def _at(self, n: np.ndarray) -> np.ndarray:
+        t = np.interp(n, self.x, self.y)
+        t = np.where(n > self.x[-1], self.y[-1] + self.slope * (n - self.x[-1]), t)
+        return np.where(n > 0, t, 0.0)
+
+    def __call__(self, tokens: np.ndarray | float) -> np.ndarray:
+        n = np.asarray(tokens)
+        if n.dtype.kind in "iu" or np.all(n == np.round(n)):
+            i = n.astype(np.int64)
+            if i.size == 0 or i.max() < len(self.table):
+                return self.table[i]
+        return self._at(n.astype(np.float64))
+
+
+def isotonic(y: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to ``y`` in least squares (pool adjacent violators):
+    a knot slowed by noise is averaged with its neighbours instead of raising all after it."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in y.tolist():
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, n2 = blocks.pop()
+            b = blocks[-1]
+            b[0] = (b[0] * b[1] + v2 * n2) / (b[1] + n2)
+            b[1] += n2
+    return np.concatenate([np.full(int(n), v) for v, n in blocks])
+
+
+class StepCostModel:
+    """Predicted seconds of a step: the profiled forwards, times a measured correction.
+
+    ``T = (target_profiled + draft_profiled) * ratio(batch, G)``, where G is the plan's deepest
+    draft position (0: no drafts) and ``ratio`` is the geometric mean of observed over profiled
+    time of the last ``memory`` decoding steps at the same batch size (half-octave buckets of
+    sequences) and the same G. A (batch, G) pair with few steps leans on what the steps at
+    that batch size and the steps at that depth say (``log_ratio``). The profile gives the
+    shape (what one more draft token or one more request drafting costs); the ratios make the
+    levels that the policy compares, no drafts against one against two, what the real steps
+    measured at this batch size, whatever the profile missed (inputs built per sequence,
+    attention over real contexts, sampling, scheduling, a machine busier than at start-up).
+    """
+
+    def __init__(
+        self, draft: PassTimes, target: PassTimes, memory: int = 32, prior_weight: float = 2.0
+    ) -> None:
+        self.draft = draft
+        self.target = target
+        self.memory = memory
+        self.prior_weight = prior_weight
+        # log(observed / profiled): [mean, number of steps (at most memory)]
+        self.by_depth: dict[tuple[int, int], list[float]] = {}
+        self.by_batch: dict[int, list[float]] = {}
+        self.by_depth_only: dict[int, list[float]] = {}
+        self.overall = [0.0, 0.0]
+
+    @classmethod
+    def from_profile(cls, counts: Sequence[int], profile: dict[str, list[float]]) -> StepCostModel:
+        return cls(PassTimes(counts, profile["draft"]), PassTimes(counts, profile["target"]))
+
+    @staticmethod
+    def batch_bucket(num_seqs: int) -> int:
+        return round(2 * float(np.log2(max(num_seqs, 1))))
+
+    def profiled(
+        self,
+        catchup_tokens: np.ndarray | float,
+        target_tokens: int,
+        draft_tokens: np.ndarray,
+        pass_sizes: np.ndarray,
+    ) -> np.ndarray:
+        """The profile's seconds for candidate plans [P] (see ``predict``)."""
+        seconds = self.target(target_tokens + np.asarray(draft_tokens)) + self.draft(catchup_tokens)
+        if pass_sizes.size:
+            seconds = seconds + self.draft(pass_sizes).sum(axis=1)
+        return seconds
+
+    def log_ratio(self, num_seqs: int, depth: int) -> float:
+        """The correction at this batch size and deepest draft position, in log space: the
+        steps at both, leaning (with ``prior_weight`` steps' worth) on the level of the steps at
+        this batch size plus how much the depth moved it at the nearest batch size that ran it
+        (the profile's error changes with the batch: it prices a draft token like one more
+        sequence, and a sequence costs more than a token)."""
+        bucket = self.batch_bucket(num_seqs)
+        k = self.prior_weight
+        overall = self.overall[0]
+
+        def lean(own: list[float] | None, prior: float) -> float:
+            return prior if own is None else (own[0] * own[1] + prior * k) / (own[1] + k)
+
+        level = lean(self.by_batch.get(bucket), overall)
+        shift = lean(self.by_depth_only.get(depth), overall) - overall
+        near = [b for b, g in self.by_depth if g == depth and b != bucket and b in self.by_batch]
+        if near:
+            b = min(near, key=lambda b: (abs(b - bucket), -b))
+            shift = self.by_depth[(b, depth)][0] - self.by_batch[b][0]
+        return lean(self.by_depth.get((bucket, depth)), level + shift)
+
+    def steps_seen(self, num_seqs: int, depth: int) -> float:
+        """How many recent steps (at most ``memory``) the correction at (batch, G) rests on."""
+        own = self.by_depth.get((self.batch_bucket(num_seqs), depth))
+        return 0.0 if own is None else own[1]
+
+    def predict(
+        self,
+        num_seqs: int,
+        catchup_tokens: np.ndarray | float,
+        target_tokens: int,
+        draft_tokens: np.ndarray,
+        pass_sizes: np.ndarray,
+    ) -> np.ndarray:
+        """Seconds of candidate plans [P]: ``catchup_tokens`` [P] in the draft's first forward
+        (0: no draft forward at all), ``draft_tokens`` [P] drafts in all, ``pass_sizes`` [P, J]
+        requests in draft forwards 2.. (0 where one does not run); ``target_tokens`` excludes
+        the drafts."""
+        seconds = self.profiled(catchup_tokens, target_tokens, draft_tokens, pass_sizes)
+        drafts = np.broadcast_to(np.asarray(draft_tokens), seconds.shape)
+        depth = np.where(drafts > 0, 1, 0)
+        if pass_sizes.size:
+            depth = depth + (pass_sizes > 0).sum(axis=1)
+        ratios = np.exp([self.log_ratio(num_seqs, g) for g in range(int(depth.max()) + 1)])
+        return seconds * ratios[depth]
+
+    def observe(
+        self,
+        num_seqs: int,
+        catchup_tokens: int,
+        target_tokens: int,
+        gammas: Sequence[int],
+        step_seconds: float,
+    ) -> None:
+        """Learn from one finished decoding step (no prompt chunks: a prompt token costs less
+        than a decoded one, which carries logits) that ran draft lengths ``gammas``."""
+        depth = max(gammas, default=0)
+        sizes = np.array([[sum(g >= j for g in gammas) for j in range(2, depth + 1)]])
+        seconds = self.profiled(catchup_tokens, target_tokens, np.array([sum(gammas)]), sizes)
+        if step_seconds <= 0 or seconds[0] <= 0:
+            return
+        x = float(np.log(step_seconds / seconds[0]))
+        bucket = self.batch_bucket(num_seqs)
+        for entry in (
+            self.overall,
+            self.by_batch.setdefault(bucket, [0.0, 0.0]),
+            self.by_depth_only.setdefault(depth, [0.0, 0.0]),
+            self.by_depth.setdefault((bucket, depth), [0.0, 0.0]),
+        ):
+            entry[1] = min(entry[1] + 1.0, self.memory)
+            entry[0] += (x - entry[0]) / entry[1]
