@@ -17,6 +17,7 @@ from specbatch.bench.offline import (
     percentile,
     predicted_speedup,
 )
+from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
 
 BATCH_SIZES = (1, 3)
@@ -189,3 +190,35 @@ def test_bench_offline_form_parses_like_bench() -> None:
     assert a.batch_sizes == b.batch_sizes == [2, 5] and a.draft_lengths == b.draft_lengths == [0]
     assert a.func is b.func
     assert p.parse_args(["bench"]).batch_sizes == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_mixed_workload_alternates_easy_and_hard_requests() -> None:
+    from specbatch.bench.workload import EASY_CODE, Workload, mixed
+    from specbatch.sampling_params import SamplingParams
+    from specbatch.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path("target"))
+    base = Workload([list(range(i + 5, i + 25)) for i in range(4)], 20, 8, "test")
+    mix = mixed(base, tok, hard_temperature=1.5)
+    greedy = SamplingParams(temperature=0.7, max_tokens=8)
+    for i in range(4):
+        prompt, params = mix.prompt(i), mix.params(i, greedy)
+        assert len(prompt) == 20 and params.max_tokens == 8
+        if i % 2 == 0:  # easy: repetitive code, greedy
+            assert tok.decode(prompt) in EASY_CODE[i // 2] and params.temperature == 0.0
+        else:  # hard: the prompt as it was, sampled hot
+            assert prompt == base.prompt(i) and params.temperature == 1.5
+    assert base.params(1, greedy) is greedy
+    assert "mixed" in mix.source
+    assert mixed(base, None, 1.0).prompt(0) == [5] * 20  # no tokenizer: one id repeated
+
+
+def test_bench_mixed_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from specbatch.entrypoints.bench import config_from
+    from specbatch.entrypoints.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "--mixed", "1.5", "--batch-sizes", "1"])
+    assert config_from(ns).mixed_hard_temperature == 1.5
+    assert main(["bench", "--mixed", "-1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--mixed" in err and "temperature" in err

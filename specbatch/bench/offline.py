@@ -35,13 +35,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specbatch.bench.workload import Workload, build_workload
+from specbatch.bench.workload import Workload, build_workload, mixed
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.speculation import FixedDraftLength
 from specbatch.stats import percentile
 from specbatch.theory import predicted_speedup
@@ -152,7 +151,8 @@ def run_cell(
 
     def submit() -> None:
         nonlocal submitted
-        rid = engine.add_request(workload.prompt(first_prompt + submitted), params)
+        i = first_prompt + submitted
+        rid = engine.add_request(workload.prompt(i), workload.params(i, params))
         live.add(rid)
         submitted += 1
 
@@ -276,6 +276,9 @@ class BenchConfig:
     num_requests: int | None = None  # per cell; None: default_num_requests(B)
     prompts_file: str | None = None
     temperature: float = 0.0
+    # None: every request at ``temperature``; a float: the mixed workload (bench/workload.py),
+    # easy greedy requests in turn with hard ones sampled at this temperature
+    mixed_hard_temperature: float | None = None
     seed: int = 0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more EngineArgs fields
 
@@ -373,7 +376,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             engines[k_max] = _engine(cfg, k_max, max(sizes))
         # the auto row's policy lives as long as its engine, as in a server: it calibrates in
         # its first cell's warm-up and keeps learning from every later auto cell
-        auto = AdaptiveDraftLength(k_max, engines[k_max].kv_cache) if AUTO in lengths else None
+        auto = engines[k_max].adaptive_policy(k_max) if AUTO in lengths else None
         workload = build_workload(
             next(iter(engines.values())),
             input_len=cfg.input_len,
@@ -382,6 +385,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             prompts_file=cfg.prompts_file,
             seed=cfg.seed,
         )
+        if cfg.mixed_hard_temperature is not None:
+            tokenizer = next(iter(engines.values())).tokenizer
+            workload = mixed(workload, tokenizer, cfg.mixed_hard_temperature)
         source = workload.source
         for b in sizes:
             for k in lengths:

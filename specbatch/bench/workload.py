@@ -7,27 +7,64 @@ import json
 import random
 import sysconfig
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
+from specbatch.sampling_params import SamplingParams
 
 TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pair" / "training.json"
 
 
 @dataclass
 class Workload:
-    """Prompts of exactly ``input_len`` token ids; request ``i`` uses ``prompts[i % n]``."""
+    """Prompts of exactly ``input_len`` token ids; request ``i`` uses ``prompts[i % n]``, and
+    the temperature ``temperatures[i % n]`` when the workload sets one per prompt."""
 
     prompts: list[list[int]]
     input_len: int
     output_len: int
     source: str
+    temperatures: list[float] | None = None
 
     def prompt(self, i: int) -> list[int]:
         return self.prompts[i % len(self.prompts)]
+
+    def params(self, i: int, base: SamplingParams) -> SamplingParams:
+        """Request ``i``'s sampling parameters: ``base``, with this prompt's temperature."""
+        if self.temperatures is None:
+            return base
+        return replace(base, temperature=self.temperatures[i % len(self.temperatures)])
+
+
+# Repetitive code: a draft model continues these as its target does (alpha near 1 for the
+# built-in pair, greedy), unlike ordinary text (alpha about 0.6-0.7).
+EASY_CODE = [f"import {m}\n" * 16 for m in ("os", "sys", "re", "json")] + [
+    f"{name} = [" + f"{d}, " * 40 for name, d in (("x", 0), ("y", 1), ("zeros", 0), ("ones", 1))
+]
+
+
+def mixed(workload: Workload, tokenizer: Any, hard_temperature: float) -> Workload:
+    """Easy and hard requests in turn: even ones are repetitive code (``EASY_CODE``) decoded
+    greedily, odd ones keep their prompt (held-out text) and sample at ``hard_temperature``.
+    Without a tokenizer an easy prompt repeats one token id."""
+    prompts, temperatures = [], []
+    for i, p in enumerate(workload.prompts):
+        if i % 2:
+            prompts.append(p)
+            temperatures.append(hard_temperature)
+            continue
+        code = EASY_CODE[(i // 2) % len(EASY_CODE)]
+        ids = tokenizer.encode(code) if tokenizer is not None else [p[0]]
+        prompts.append(_fit(ids, workload.input_len))
+        temperatures.append(0.0)
+    source = (
+        f"mixed: even requests repetitive code, greedy; odd ones {workload.source}, sampled at "
+        f"temperature {hard_temperature}"
+    )
+    return Workload(prompts, workload.input_len, workload.output_len, source, temperatures)
 
 
 def _fit(ids: Sequence[int], length: int) -> list[int]:

@@ -102,6 +102,14 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         help="sampling temperature, 0 = greedy (default: 0)",
     )
     p.add_argument(
+        "--mixed",
+        type=float,
+        default=None,
+        metavar="T",
+        help="the mixed workload: easy requests (repetitive code, greedy) in turn with hard "
+        "ones (the prompts sampled at temperature T); --temperature is then unused",
+    )
+    p.add_argument(
         "--out",
         default="bench_results/bench",
         metavar="PATH",
@@ -149,6 +157,7 @@ def config_from(args: argparse.Namespace) -> Any:
         num_requests=args.num_requests,
         prompts_file=args.prompts,
         temperature=args.temperature,
+        mixed_hard_temperature=args.mixed,
         seed=args.seed,
         engine_kwargs=engine_kwargs,
     )
@@ -157,11 +166,17 @@ def config_from(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from specbatch.bench.offline import run_bench
     from specbatch.bench.report import format_report, write_all
+    from specbatch.errors import InvalidInputError
     from specbatch.sampling_params import SamplingParams
 
     cfg = config_from(args)
     cfg.check()
     SamplingParams(temperature=cfg.temperature)  # a bad value fails before any model loads
+    if cfg.mixed_hard_temperature is not None:
+        try:
+            SamplingParams(temperature=cfg.mixed_hard_temperature)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"--mixed: {e}") from None
     result = run_bench(cfg, progress=not args.no_progress)
     print(format_report(result), flush=True)
     for kind, path in write_all(result, args.out).items():
