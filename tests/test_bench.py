@@ -130,6 +130,17 @@ def test_bench_end_to_end(
 def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--batch-sizes", "0", "--no-progress"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+    assert main(["bench", "--repeats", "0", "--no-progress"]) == 2
+    assert "repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_repeats_report_the_median_run() -> None:
+    from specbatch.bench.offline import median_cell
+
+    runs = [_cell(1, 2, tok_s) for tok_s in (120.0, 100.0, 140.0)]
+    assert median_cell(runs).output_tok_s == 120.0
+    assert median_cell(runs).runs_tok_s == [120.0, 100.0, 140.0]
+    assert median_cell(runs[:2]).output_tok_s == 100.0  # even count: the lower one
 
 
 def _cell(b: int, k: int, tok_s: float, alpha: float | None = None) -> CellResult:

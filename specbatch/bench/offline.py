@@ -126,6 +126,7 @@ class CellResult:
     predicted_speedup: float | None = None
     # THEORY's formula with the measured verify cost in place of 1: E / (g c + verify_ratio)
     predicted_speedup_with_verify: float | None = None
+    runs_tok_s: list[float] = field(default_factory=list)  # every repeat's tok/s (--repeats)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,6 +215,15 @@ def run_cell(
     )
 
 
+def median_cell(runs: list[CellResult]) -> CellResult:
+    """The run of median throughput (the lower one of an even count), with every run's
+    throughput in ``runs_tok_s``."""
+    ordered = sorted(runs, key=lambda c: c.output_tok_s)
+    cell = ordered[(len(ordered) - 1) // 2]
+    cell.runs_tok_s = [c.output_tok_s for c in runs]
+    return cell
+
+
 def compare_with_plain(cells: list[CellResult]) -> None:
     """Fill in c, measured and predicted speedup of every speculative cell whose batch size has
     a plain (draft length 0) cell."""
@@ -276,6 +286,7 @@ class BenchConfig:
     num_requests: int | None = None  # per cell; None: default_num_requests(B)
     prompts_file: str | None = None
     temperature: float = 0.0
+    repeats: int = 1  # runs of each cell, interleaved; the median one is reported
     # None: every request at ``temperature``; a float: the mixed workload (bench/workload.py),
     # easy greedy requests in turn with hard ones sampled at this temperature
     mixed_hard_temperature: float | None = None
@@ -294,6 +305,8 @@ class BenchConfig:
             raise bad("input_len", "must be >= 1 (and output_len >= 2)")
         if self.num_requests is not None and self.num_requests < 1:
             raise bad("num_requests", "must be >= 1")
+        if self.repeats < 1:
+            raise bad("repeats", "must be >= 1")
         if self.max_draft_length > 0 and self.model is not None and self.draft_model is None:
             raise bad("draft_lengths", "above 0 need a draft model (--draft-model)")
 
@@ -358,7 +371,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     k_max = cfg.max_draft_length
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=cfg.temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True)
-    total = sum(cfg.requests_for(b) for b in sizes) * len(lengths)
+    total = sum(cfg.requests_for(b) for b in sizes) * len(lengths) * cfg.repeats
     bar = None
     if progress:
         from tqdm import tqdm
@@ -390,24 +403,27 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             workload = mixed(workload, tokenizer, cfg.mixed_hard_temperature)
         source = workload.source
         for b in sizes:
-            for k in lengths:
-                engine = engines[0 if k == 0 else k_max]
-                if k != 0:
-                    engine.scheduler.policy = auto if k == AUTO else FixedDraftLength(k)
-                if bar is not None:
-                    bar.set_description(f"bench B={b} k={'auto' if k == AUTO else k}")
-                run_cell(engine, workload, b, min(b, WARMUP_REQUESTS), warm)
-                cell = run_cell(
-                    engine,
-                    workload,
-                    b,
-                    cfg.requests_for(b),
-                    params,
-                    on_finished=bar.update if bar is not None else None,
-                    first_prompt=WARMUP_REQUESTS,
-                )
-                cell.draft_length = k
-                cells.append(cell)
+            runs: dict[int, list[CellResult]] = {k: [] for k in lengths}
+            for _ in range(cfg.repeats):  # rounds over the draft lengths, interleaved
+                for k in lengths:
+                    engine = engines[0 if k == 0 else k_max]
+                    if k != 0:
+                        engine.scheduler.policy = auto if k == AUTO else FixedDraftLength(k)
+                    if bar is not None:
+                        bar.set_description(f"bench B={b} k={'auto' if k == AUTO else k}")
+                    run_cell(engine, workload, b, min(b, WARMUP_REQUESTS), warm)
+                    cell = run_cell(
+                        engine,
+                        workload,
+                        b,
+                        cfg.requests_for(b),
+                        params,
+                        on_finished=bar.update if bar is not None else None,
+                        first_prompt=WARMUP_REQUESTS,
+                    )
+                    cell.draft_length = k
+                    runs[k].append(cell)
+            cells.extend(median_cell(runs[k]) for k in lengths)
     finally:
         for engine in engines.values():
             engine.shutdown()

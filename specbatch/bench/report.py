@@ -69,7 +69,12 @@ def format_report(result: BenchResult) -> str:
         f"  workload  {cfg['input_len']} input + {cfg['output_len']} output tokens per request, "
         f"temperature {cfg['temperature']}, prompts: {result.workload_source}",
         f"  requests  per cell {cfg['num_requests_per_cell']}, closed loop at batch size B; "
-        f"{cfg['warmup']}",
+        f"{cfg['warmup']}"
+        + (
+            f"; each cell run {cfg['repeats']} times, the median run shown"
+            if cfg.get("repeats", 1) > 1
+            else ""
+        ),
         "",
         format_table(result.cells),
         "",

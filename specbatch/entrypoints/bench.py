@@ -102,6 +102,14 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         help="sampling temperature, 0 = greedy (default: 0)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every cell N times, the draft lengths of a batch size in interleaved rounds, "
+        "and report the run of median throughput (default: 1)",
+    )
+    p.add_argument(
         "--mixed",
         type=float,
         default=None,
@@ -158,6 +166,7 @@ def config_from(args: argparse.Namespace) -> Any:
         prompts_file=args.prompts,
         temperature=args.temperature,
         mixed_hard_temperature=args.mixed,
+        repeats=args.repeats,
         seed=args.seed,
         engine_kwargs=engine_kwargs,
     )
