@@ -22,7 +22,12 @@ from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import StepShape
-from specbatch.scheduler.step_cost import PassTimes, StepCostModel, profile_token_counts
+from specbatch.scheduler.step_cost import (
+    PassTimes,
+    StepCostModel,
+    VerifyTimes,
+    profile_token_counts,
+)
 from specbatch.stop_checker import StopChecker
 from specbatch.theory import expected_tokens_per_round
 from tests.helpers import exact_joint
@@ -34,9 +39,15 @@ def linear_passes(fixed: float, per_token: float, max_tokens: int = 512) -> Pass
     return PassTimes(counts, [fixed + per_token * n for n in counts])
 
 
+def linear_verify(fixed: float, per_token: float, max_seqs: int = 128) -> VerifyTimes:
+    counts, depths = profile_token_counts(max_seqs), [0, 1, 2, 4, 8]
+    rows = [[fixed + per_token * n * (d + 1) for n in counts] for d in depths]
+    return VerifyTimes(counts, depths, rows)
+
+
 def synthetic(target: tuple[float, float], draft: tuple[float, float]) -> StepCostModel:
     """A known cost model: each model's (fixed, per token) seconds for one forward."""
-    return StepCostModel(linear_passes(*draft), linear_passes(*target))
+    return StepCostModel(linear_passes(*draft), linear_verify(*target))
 
 
 def policy(k: int, target, draft, **kw) -> AdaptiveDraftLength:
@@ -142,6 +153,17 @@ def test_pass_times_interpolate_and_continue_the_last_slope():
     assert np.all(np.diff(noisy(np.arange(0, 20))) >= 0)
 
 
+def test_verify_times_interpolate_in_tokens_per_sequence():
+    # a verify token costs 1, a sequence 3 (its context reads): n (3 + u) for u tokens each
+    counts, depths = [1, 2, 4, 8], [0, 1, 4]
+    times = VerifyTimes(counts, depths, [[n * (3 + d + 1) for n in counts] for d in depths])
+    assert float(times(4, 0)) == pytest.approx(16.0)  # 4 sequences of one token
+    assert float(times(4, 8)) == pytest.approx(24.0)  # 2 drafts each: between depths 1 and 4
+    assert float(times(4, 6)) == pytest.approx(22.0)  # 1.5 each
+    assert float(times(2, 16)) == pytest.approx(24.0)  # 8 each: past the deepest, its slope
+    assert float(times(6, 6)) == pytest.approx(30.0)  # between profiled counts
+
+
 def true_step_seconds(n: int, gammas: list[int], truth_t, truth_d, rest) -> float:
     """A step of n decoding requests, each lagging the draft by one token, on linear models."""
     seconds = truth_t[0] + truth_t[1] * (n + sum(gammas)) + rest[0] + rest[1] * n
@@ -175,7 +197,7 @@ def test_step_cost_corrects_the_profile_where_the_steps_run():
     # a batch size never run borrows the correction of all steps, so it is nearer than the
     # profile alone
     want = true_step_seconds(16, [1] * 16, truth_t, truth_d, rest)
-    profile_only = float(model.profiled(16, 16, np.array([16]), np.zeros((1, 0)))[0])
+    profile_only = float(model.profiled(16, 16, 16, np.array([16]), np.zeros((1, 0)))[0])
     assert abs(predicted(16, 1) - want) < abs(profile_only - want)
     assert model.steps_seen(16, 1) == 0
 

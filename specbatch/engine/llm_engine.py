@@ -201,14 +201,16 @@ class LLMEngine:
         if self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
             raise EngineError("adaptive_policy: profile the passes before any request runs")
         cfg = self.config
-        # up to the most tokens a decoding step can verify, or 512 (past that a forward's
-        # time grows linearly; PassTimes continues the last slope)
-        most = cfg.max_num_batched_tokens, cfg.max_num_seqs * (max_draft_length + 1), 512
-        counts = profile_token_counts(min(most))
+        # batches up to max_num_seqs, or 128 (past that a forward's time grows linearly and the
+        # tables continue their last slope), at depths 0, 1, 2, half the maximum and the maximum
+        seq_counts = profile_token_counts(min(cfg.max_num_seqs, 128))
+        k = max_draft_length
+        depths = sorted({0, 1, min(2, k), max(1, k // 2), k})
         # dummy sequences at half the context length (at most 256), inside the pool
-        context = min(cfg.max_model_len // 2, 256, self.kv_cache.num_blocks * cfg.block_size - 1)
-        profile = self.executor.profile_passes(counts, context)
-        cost = StepCostModel.from_profile(counts, profile)
+        room = self.kv_cache.num_blocks * cfg.block_size - k - 2
+        context = max(0, min(cfg.max_model_len // 2, 256, room))
+        profile = self.executor.profile_passes(seq_counts, context, depths)
+        cost = StepCostModel.from_profile(seq_counts, depths, profile)
         return AdaptiveDraftLength(max_draft_length, cost, self.kv_cache)
 
     # ---- introspection ---------------------------------------------------------------------

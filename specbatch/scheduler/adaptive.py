@@ -194,8 +194,9 @@ class AdaptiveDraftLength:
         the chance that it and every draft before it are accepted (``acceptance``), decreasing
         in j (THEORY.md's ``alpha_i^j`` when acceptance is the same at every position); its
         first also makes the draft catch up on the request's ``lags[i]`` unseen tokens (1 when
-        not given). For each deepest draft position G the candidate drafts (j <= G) are taken
-        by decreasing gain, and every prefix of that order is a plan. A per-request plan must
+        not given). For each deepest draft position G (upwards, until the best rate falls),
+        the candidate drafts (j <= G) are taken by decreasing gain, and every prefix of that
+        order is a plan. A per-request plan must
         beat the best uniform one by ``uniform_margin``: the estimates it leans on are noisy,
         and uneven progress leaves the slow requests to finish in a thinner batch. Drafting
         after a plan without drafts, or not after one with, must beat the last plan's depth by
@@ -233,6 +234,7 @@ class AdaptiveDraftLength:
             return [int(best[0])]
 
         allowed = np.arange(1, g_max + 1)[:, None] <= cap[None, :]  # [J, n]
+        previous = 0.0
         for deepest in range(1, g_max + 1):
             pos_j, pos_i = np.nonzero(allowed[:deepest])
             gain = gains[pos_j, pos_i]
@@ -249,6 +251,9 @@ class AdaptiveDraftLength:
             if rate[m] > best_rate * (1 + 1e-9):
                 best_rate = float(rate[m])
                 best = np.bincount(pos_i[: m + 1], minlength=n)
+            elif rate[m] < previous:  # past the best depth: deeper only costs more
+                break
+            previous = float(rate[m])
         return [int(g) for g in best]
 
     def _fit_free_blocks(self, requests: list[Request], gammas: list[int]) -> list[int]:

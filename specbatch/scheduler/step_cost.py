@@ -7,7 +7,8 @@ the drafts. So::
 
     T = draft(catch-up tokens) + sum_{j >= 2} draft(n_j) + target(tokens + drafts)
 
-``draft`` and ``target`` are each model's time for one forward of N tokens (``PassTimes``),
+``draft`` is the draft's time for one forward of N one-token sequences (``PassTimes``) and
+``target`` the target's for n sequences verifying u tokens each (``VerifyTimes``), both
 profiled on the real models at start-up (``Worker.profile_passes``); ``n_j`` is the number of
 requests drafting at least ``j`` tokens. A forward's time is far from linear in its tokens: on a
 CPU one target token costs about as much as six (the weights are read once either way), past a
@@ -18,6 +19,7 @@ observed time corrects its level where the policy works (``StepCostModel``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +68,36 @@ class PassTimes:
         return self._at(n.astype(np.float64))
 
 
+class VerifyTimes:
+    """Seconds of one target forward over n sequences that verify u tokens each.
+
+    Profiled at depths d (u = d + 1 tokens a sequence) for each profiled n: piecewise linear in
+    the extra tokens per sequence between profiled depths (the last slope past the deepest),
+    each depth's row a ``PassTimes`` over n. A verify token is cheaper than a sequence: it
+    shares its sequence's context reads and per-sequence work, which is why the target is
+    profiled in this shape and not as one-token sequences."""
+
+    def __init__(
+        self, seq_counts: Sequence[int], depths: Sequence[int], seconds: Sequence[Sequence[float]]
+    ) -> None:
+        if len(depths) != len(seconds) or not depths:
+            raise ValueError("VerifyTimes needs one row of times per depth, and at least one")
+        self.depths = np.asarray(depths, dtype=np.float64)
+        self.rows = [PassTimes(seq_counts, row) for row in seconds]
+
+    def __call__(self, num_seqs: int, extra_tokens: np.ndarray | float) -> np.ndarray:
+        """Seconds for ``num_seqs`` sequences carrying ``extra_tokens`` tokens beyond one each."""
+        at_n = np.maximum.accumulate([float(row(num_seqs)) for row in self.rows])
+        per_seq = np.asarray(extra_tokens, dtype=np.float64) / max(num_seqs, 1)
+        t = np.interp(per_seq, self.depths, at_n)
+        if len(at_n) > 1:
+            slope = (at_n[-1] - at_n[-2]) / (self.depths[-1] - self.depths[-2])
+            t = np.where(
+                per_seq > self.depths[-1], at_n[-1] + slope * (per_seq - self.depths[-1]), t
+            )
+        return t
+
+
 def isotonic(y: np.ndarray) -> np.ndarray:
     """The non-decreasing sequence closest to ``y`` in least squares (pool adjacent violators):
     a knot slowed by noise is averaged with its neighbours instead of raising all after it."""
@@ -95,21 +127,34 @@ class StepCostModel:
     """
 
     def __init__(
-        self, draft: PassTimes, target: PassTimes, memory: int = 32, prior_weight: float = 2.0
+        self,
+        draft: PassTimes,
+        target: VerifyTimes,
+        memory: int = 32,
+        prior_weight: float = 2.0,
+        step_noise: float = 0.08,
     ) -> None:
         self.draft = draft
         self.target = target
         self.memory = memory
         self.prior_weight = prior_weight
+        self.step_noise = step_noise  # spread of one step's log(observed / profiled)
         # log(observed / profiled): [mean, number of steps (at most memory)]
         self.by_depth: dict[tuple[int, int], list[float]] = {}
         self.by_batch: dict[int, list[float]] = {}
         self.by_depth_only: dict[int, list[float]] = {}
         self.overall = [0.0, 0.0]
+        self._cache: dict[int, np.ndarray] = {}
 
     @classmethod
-    def from_profile(cls, counts: Sequence[int], profile: dict[str, list[float]]) -> StepCostModel:
-        return cls(PassTimes(counts, profile["draft"]), PassTimes(counts, profile["target"]))
+    def from_profile(
+        cls, seq_counts: Sequence[int], depths: Sequence[int], profile: dict[str, Any]
+    ) -> StepCostModel:
+        """From ``Worker.profile_passes(seq_counts, context, depths)``."""
+        return cls(
+            PassTimes(seq_counts, profile["draft"]),
+            VerifyTimes(seq_counts, depths, profile["target"]),
+        )
 
     @staticmethod
     def batch_bucket(num_seqs: int) -> int:
@@ -117,13 +162,15 @@ class StepCostModel:
 
     def profiled(
         self,
+        num_seqs: int,
         catchup_tokens: np.ndarray | float,
         target_tokens: int,
         draft_tokens: np.ndarray,
         pass_sizes: np.ndarray,
     ) -> np.ndarray:
         """The profile's seconds for candidate plans [P] (see ``predict``)."""
-        seconds = self.target(target_tokens + np.asarray(draft_tokens)) + self.draft(catchup_tokens)
+        extra = target_tokens - num_seqs + np.asarray(draft_tokens, dtype=np.float64)
+        seconds = self.target(num_seqs, extra) + self.draft(catchup_tokens)
         if pass_sizes.size:
             seconds = seconds + self.draft(pass_sizes).sum(axis=1)
         return seconds
@@ -147,7 +194,11 @@ class StepCostModel:
         if near:
             b = min(near, key=lambda b: (abs(b - bucket), -b))
             shift = self.by_depth[(b, depth)][0] - self.by_batch[b][0]
-        return lean(self.by_depth.get((bucket, depth)), level + shift)
+        own = self.by_depth.get((bucket, depth))
+        # pessimism in proportion to the standard error: a depth run a few times here does not
+        # win on one lucky step over the depth the policy has been measuring all along
+        doubt = self.step_noise / np.sqrt((0.0 if own is None else own[1]) + k)
+        return lean(own, level + shift) + doubt
 
     def steps_seen(self, num_seqs: int, depth: int) -> float:
         """How many recent steps (at most ``memory``) the correction at (batch, G) rests on."""
@@ -166,13 +217,21 @@ class StepCostModel:
         (0: no draft forward at all), ``draft_tokens`` [P] drafts in all, ``pass_sizes`` [P, J]
         requests in draft forwards 2.. (0 where one does not run); ``target_tokens`` excludes
         the drafts."""
-        seconds = self.profiled(catchup_tokens, target_tokens, draft_tokens, pass_sizes)
+        seconds = self.profiled(num_seqs, catchup_tokens, target_tokens, draft_tokens, pass_sizes)
         drafts = np.broadcast_to(np.asarray(draft_tokens), seconds.shape)
         depth = np.where(drafts > 0, 1, 0)
         if pass_sizes.size:
             depth = depth + (pass_sizes > 0).sum(axis=1)
-        ratios = np.exp([self.log_ratio(num_seqs, g) for g in range(int(depth.max()) + 1)])
-        return seconds * ratios[depth]
+        return seconds * self._ratios(num_seqs, int(depth.max()))[depth]
+
+    def _ratios(self, num_seqs: int, max_depth: int) -> np.ndarray:
+        """exp(log_ratio) for depths 0..max_depth, cached until the next observed step."""
+        bucket = self.batch_bucket(num_seqs)
+        cached = self._cache.get(bucket)
+        if cached is None or len(cached) <= max_depth:
+            cached = np.exp([self.log_ratio(num_seqs, g) for g in range(max_depth + 1)])
+            self._cache[bucket] = cached
+        return cached
 
     def observe(
         self,
@@ -186,10 +245,13 @@ class StepCostModel:
         than a decoded one, which carries logits) that ran draft lengths ``gammas``."""
         depth = max(gammas, default=0)
         sizes = np.array([[sum(g >= j for g in gammas) for j in range(2, depth + 1)]])
-        seconds = self.profiled(catchup_tokens, target_tokens, np.array([sum(gammas)]), sizes)
+        seconds = self.profiled(
+            num_seqs, catchup_tokens, target_tokens, np.array([sum(gammas)]), sizes
+        )
         if step_seconds <= 0 or seconds[0] <= 0:
             return
         x = float(np.log(step_seconds / seconds[0]))
+        self._cache.clear()
         bucket = self.batch_bucket(num_seqs)
         for entry in (
             self.overall,

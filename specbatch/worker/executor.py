@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from specbatch.config import EngineConfig
 from specbatch.errors import InvalidInputError
@@ -14,8 +14,8 @@ class Executor(Protocol):
     def init_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, plan: SchedulerOutput) -> StepResult: ...
     def profile_passes(
-        self, token_counts: list[int], context_len: int
-    ) -> dict[str, list[float]]: ...
+        self, seq_counts: list[int], context_len: int, depths: list[int]
+    ) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
 
 
@@ -58,8 +58,10 @@ class UniprocExecutor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return self.worker.execute(plan)
 
-    def profile_passes(self, token_counts: list[int], context_len: int) -> dict[str, list[float]]:
-        return self.worker.profile_passes(token_counts, context_len)
+    def profile_passes(
+        self, seq_counts: list[int], context_len: int, depths: list[int]
+    ) -> dict[str, Any]:
+        return self.worker.profile_passes(seq_counts, context_len, depths)
 
     def shutdown(self) -> None:
         pass

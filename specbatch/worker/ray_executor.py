@@ -223,10 +223,12 @@ class RayExecutor:
         result.timings["ray"] = max(0.0, time.perf_counter() - t0 - result.timings["worker"])
         return result
 
-    def profile_passes(self, token_counts: list[int], context_len: int) -> dict[str, list[float]]:
+    def profile_passes(
+        self, seq_counts: list[int], context_len: int, depths: list[int]
+    ) -> dict[str, Any]:
         """Every rank runs the dummy passes together (their collectives pair up); rank 0's times."""
         results = self._call_all(
-            "pass profiling", "profile_passes", token_counts, context_len, timeout=None
+            "pass profiling", "profile_passes", seq_counts, context_len, depths, timeout=None
         )
         return results[0]
 

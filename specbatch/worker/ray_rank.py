@@ -76,8 +76,10 @@ class RankWorker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def profile_passes(self, token_counts: list[int], context_len: int) -> dict[str, list[float]]:
-        return self.worker.profile_passes(token_counts, context_len)
+    def profile_passes(
+        self, seq_counts: list[int], context_len: int, depths: list[int]
+    ) -> dict[str, Any]:
+        return self.worker.profile_passes(seq_counts, context_len, depths)
 
     def execute(self, plan: SchedulerOutput) -> StepResult | None:
         """One engine step on this rank; rank 0 returns the result with its timings."""

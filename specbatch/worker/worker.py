@@ -87,25 +87,24 @@ class Worker:
 
     @torch.inference_mode()
     def profile_passes(
-        self, token_counts: list[int], context_len: int, rounds: int = 3
-    ) -> dict[str, list[float]]:
-        """Seconds of one forward of each model over N one-token sequences at position
-        ``context_len`` (logits and probabilities of every token included), for each N in
-        ``token_counts``: the fastest of ``rounds`` interleaved rounds (two past 128 tokens),
-        after a warm-up.
+        self, seq_counts: list[int], context_len: int, depths: list[int], rounds: int = 2
+    ) -> dict[str, list[float] | list[list[float]]]:
+        """Seconds of the forwards a speculative step runs, for each n in ``seq_counts``:
+        ``draft[i]``, the draft over n one-token sequences (a draft pass), and ``target[d][i]``,
+        the target over n sequences of ``depths[d] + 1`` tokens each (a verify pass), logits and
+        probabilities of every token included; dummy sequences at position ``context_len``.
+        The fastest of ``rounds`` interleaved rounds (one past 256 tokens), after a warm-up.
 
         Run before any request: every dummy sequence reads and writes the same first KV blocks,
         which no request holds yet (a request writes its slots before it reads them)."""
         block_size = self.config.block_size
-        table = list(range(context_len // block_size + 1))
+        table = list(range((context_len + max(depths) + 1) // block_size + 1))
         st = _sampling_tensors([SamplingParams()], self.device)
-        runners = {"target": self.target} | ({"draft": self.draft} if self.draft else {})
-        best = {name: [float("inf")] * len(token_counts) for name in runners}
 
-        def timed(runner: ModelRunner, n: int) -> float:
+        def timed(runner: ModelRunner, n: int, per_seq: int) -> float:
             inputs = build_inputs(
-                torch.zeros(n, dtype=torch.int64, device=self.device),
-                [1] * n,
+                torch.zeros(n * per_seq, dtype=torch.int64, device=self.device),
+                [per_seq] * n,
                 [context_len] * n,
                 [table] * n,
                 block_size,
@@ -113,19 +112,28 @@ class Worker:
             )
             self._sync()
             t0 = time.perf_counter()
-            rows = torch.arange(n, device=self.device)
+            rows = torch.arange(n * per_seq, device=self.device)
             logits_to_probs(runner.forward(inputs, rows), st)  # st's one row broadcasts
             self._sync()
             return time.perf_counter() - t0
 
-        for runner in runners.values():
-            timed(runner, token_counts[0])  # warm-up
+        shapes = [("target", d, d + 1) for d in range(len(depths))]
+        if self.draft is not None:
+            shapes.append(("draft", 0, 1))
+        best = {(name, d): [float("inf")] * len(seq_counts) for name, d, _ in shapes}
+        for name, _, per_seq in shapes:  # warm-up
+            timed(self.draft if name == "draft" else self.target, seq_counts[0], per_seq)
         for r in range(rounds):
-            for name, runner in runners.items():
-                for i, n in enumerate(token_counts):
-                    if r < 2 or n <= 128:
-                        best[name][i] = min(best[name][i], timed(runner, n))
-        return best
+            for name, d, _ in shapes:
+                runner = self.draft if name == "draft" else self.target
+                per_seq = 1 if name == "draft" else depths[d] + 1
+                for i, n in enumerate(seq_counts):
+                    if r == 0 or n * per_seq <= 256:
+                        best[name, d][i] = min(best[name, d][i], timed(runner, n, per_seq))
+        return {
+            "draft": best.get(("draft", 0), []),
+            "target": [best["target", d] for d in range(len(depths))],
+        }
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
