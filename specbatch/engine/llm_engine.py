@@ -201,9 +201,9 @@ class LLMEngine:
         if self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
             raise EngineError("adaptive_policy: profile the passes before any request runs")
         cfg = self.config
-        # batches up to max_num_seqs, or 128 (past that a forward's time grows linearly and the
+        # batches up to max_num_seqs, or 64 (past that a forward's time grows linearly and the
         # tables continue their last slope), at depths 0, 1, 2, half the maximum and the maximum
-        seq_counts = profile_token_counts(min(cfg.max_num_seqs, 128))
+        seq_counts = profile_token_counts(min(cfg.max_num_seqs, 64))
         k = max_draft_length
         depths = sorted({0, 1, min(2, k), max(1, k // 2), k})
         # dummy sequences at half the context length (at most 256), inside the pool
