@@ -179,8 +179,7 @@ class StepCostModel:
         """The correction at this batch size and deepest draft position, in log space: the
         steps at both, leaning (with ``prior_weight`` steps' worth) on the level of the steps at
         this batch size plus how much the depth moved it at the nearest batch size that ran it
-        (the profile's error changes with the batch: it prices a draft token like one more
-        sequence, and a sequence costs more than a token)."""
+        (what the profile misses changes with the batch size), plus a doubt."""
         bucket = self.batch_bucket(num_seqs)
         k = self.prior_weight
         overall = self.overall[0]
