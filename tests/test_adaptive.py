@@ -396,6 +396,7 @@ def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
         if c.draft_length == AUTO:
             assert c.measured_speedup is not None and c.measured_speedup > 0
             assert c.mean_draft_length is None or c.mean_draft_length <= 2
+    assert result.summary["auto_profile_s"] > 0  # the start-up profile, timed
     table = format_table(result.cells)
     assert sum(line.split()[1] == "auto" for line in table.splitlines()[2:]) == 2
 

@@ -438,7 +438,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         config=config,
         workload_source=source,
         cells=cells,
-        summary=crossover(cells),
+        summary=crossover(cells)
+        | ({"auto_profile_s": auto.profile_seconds} if auto is not None else {}),
         machine=machine_facts(),
         wall_s=time.perf_counter() - t0,
     )

@@ -209,9 +209,12 @@ class LLMEngine:
         # dummy sequences at half the context length (at most 256), inside the pool
         room = self.kv_cache.num_blocks * cfg.block_size - k - 2
         context = max(0, min(cfg.max_model_len // 2, 256, room))
+        start = time.perf_counter()
         profile = self.executor.profile_passes(seq_counts, context, depths)
         cost = StepCostModel.from_profile(seq_counts, depths, profile)
-        return AdaptiveDraftLength(max_draft_length, cost, self.kv_cache)
+        policy = AdaptiveDraftLength(max_draft_length, cost, self.kv_cache)
+        policy.profile_seconds = time.perf_counter() - start
+        return policy
 
     # ---- introspection ---------------------------------------------------------------------
     @property

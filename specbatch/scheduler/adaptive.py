@@ -65,6 +65,7 @@ class AdaptiveDraftLength:
         self.explore_every = explore_every
         self.uniform_margin = uniform_margin
         self.switch_margin = switch_margin
+        self.profile_seconds = 0.0  # how long the start-up profile of the passes took
         self.spec = SpecStats()  # every round this policy observed, all requests together
         self.draft_length_counts: Counter[int] = Counter()  # granted gamma per decoding request
         self._decode_steps = 0  # steps with decoding requests that the policy planned
