@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, format_table, machine_info, write_json
 
-from specbatch.bench.offline import run_cell
+from specbatch.bench.cells import run_cell
 from specbatch.bench.workload import build_workload
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine

@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, format_table, machine_info, set_threads, write_json
 
-from specbatch.bench.offline import Workload, build_workload, run_cell
+from specbatch.bench.cells import run_cell
+from specbatch.bench.workload import Workload, build_workload
 from specbatch.config import EngineArgs, default_model_path
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.sampling_params import SamplingParams

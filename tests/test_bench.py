@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from specbatch.bench.offline import (
-    CellResult,
-    compare_with_plain,
-    crossover,
-    percentile,
-    predicted_speedup,
-)
+from specbatch.bench.cells import CellResult, compare_with_plain, crossover
 from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
+from specbatch.stats import percentile
+from specbatch.theory import predicted_speedup
 
 BATCH_SIZES = (1, 3)
 DRAFT_LENGTHS = (0, 2)
@@ -135,7 +131,7 @@ def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_repeats_report_the_median_run() -> None:
-    from specbatch.bench.offline import median_cell
+    from specbatch.bench.cells import median_cell
 
     runs = [_cell(1, 2, tok_s) for tok_s in (120.0, 100.0, 140.0)]
     assert median_cell(runs).output_tok_s == 120.0

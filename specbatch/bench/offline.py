@@ -31,19 +31,16 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specbatch.bench.workload import Workload, build_workload, mixed
+from specbatch.bench.cells import CellResult, compare_with_plain, crossover, median_cell, run_cell
+from specbatch.bench.workload import build_workload, mixed
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
-from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.speculation import FixedDraftLength
-from specbatch.stats import percentile
-from specbatch.theory import predicted_speedup
 
 AUTO = -1  # the draft length of the ``auto`` row: num_speculative_tokens="auto"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -79,199 +76,6 @@ def default_num_requests(batch_size: int) -> int:
     """Requests measured per cell: enough for the engine to stay full a while, few enough that
     the default grid finishes in minutes on a CPU."""
     return max(2 * batch_size, 8)
-
-
-# ---- one cell ------------------------------------------------------------------------------
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-@dataclass
-class CellResult:
-    """The figures of one (batch size, draft length) cell. Times in seconds."""
-
-    batch_size: int
-    draft_length: int
-    num_requests: int
-    input_len: int
-    output_len: int
-    wall_s: float
-    output_tokens: int  # summed over the finished requests' outputs
-    engine_generated_tokens: int  # the engine's own count over the same steps
-    steps: int
-    output_tok_s: float
-    tpot_mean: float | None
-    tpot_p50: float | None
-    tpot_p99: float | None
-    ttft_mean: float | None
-    ttft_p50: float | None
-    ttft_p99: float | None
-    e2e_mean: float | None
-    e2e_p50: float | None
-    e2e_p99: float | None
-    step_s: float  # mean engine step time
-    target_s_per_step: float
-    draft_s_per_step: float
-    spec_rounds: int = 0
-    draft_tokens_proposed: int = 0
-    draft_tokens_accepted: int = 0
-    acceptance_rate: float | None = None  # accepted / proposed
-    alpha: float | None = None  # THEORY's alpha: accepted / (accepted + rejections)
-    mean_draft_length: float | None = None
-    mean_tokens_per_round: float | None = None
-    predicted_tokens_per_round: float | None = None
-    cost_ratio: float | None = None  # c, filled in against the plain cell
-    verify_ratio: float | None = None  # target time per step over the plain cell's
-    measured_speedup: float | None = None
-    predicted_speedup: float | None = None
-    # THEORY's formula with the measured verify cost in place of 1: E / (g c + verify_ratio)
-    predicted_speedup_with_verify: float | None = None
-    runs_tok_s: list[float] = field(default_factory=list)  # every repeat's tok/s (--repeats)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def run_cell(
-    engine: LLMEngine,
-    workload: Workload,
-    batch_size: int,
-    num_requests: int,
-    params: SamplingParams,
-    *,
-    on_finished: Callable[[], None] | None = None,
-    first_prompt: int = 0,
-) -> CellResult:
-    """Keep ``batch_size`` requests running until ``num_requests`` have finished."""
-    if batch_size < 1 or num_requests < 1:
-        raise InvalidInputError("batch sizes and request counts must be >= 1")
-    engine.metrics = EngineMetrics()
-    submitted = 0
-    finished: list[Any] = []
-    live: set[str] = set()
-
-    def submit() -> None:
-        nonlocal submitted
-        i = first_prompt + submitted
-        rid = engine.add_request(workload.prompt(i), workload.params(i, params))
-        live.add(rid)
-        submitted += 1
-
-    start = time.perf_counter()
-    try:
-        for _ in range(min(batch_size, num_requests)):
-            submit()
-        while live:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.discard(out.request_id)
-                    finished.append(out)
-                    if on_finished is not None:
-                        on_finished()
-                    if submitted < num_requests:
-                        submit()
-    except BaseException:
-        engine.abort_request(list(live))
-        raise
-    wall = time.perf_counter() - start
-    m = engine.metrics
-    s = m.spec
-    tpots = [t for o in finished if (t := o.metrics.time_per_output_token) is not None]
-    ttfts = [t for o in finished if (t := o.metrics.time_to_first_token) is not None]
-    e2es = [t for o in finished if (t := o.metrics.e2e_latency) is not None]
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    steps = max(m.num_steps, 1)
-    return CellResult(
-        batch_size=batch_size,
-        draft_length=engine.scheduler.policy.max_draft_length if engine.config.speculative else 0,
-        num_requests=len(finished),
-        input_len=workload.input_len,
-        output_len=workload.output_len,
-        wall_s=wall,
-        output_tokens=out_tokens,
-        engine_generated_tokens=m.num_generated_tokens,
-        steps=m.num_steps,
-        output_tok_s=out_tokens / wall if wall > 0 else 0.0,
-        tpot_mean=_mean(tpots),
-        tpot_p50=percentile(tpots, 50),
-        tpot_p99=percentile(tpots, 99),
-        ttft_mean=_mean(ttfts),
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p99=percentile(ttfts, 99),
-        e2e_mean=_mean(e2es),
-        e2e_p50=percentile(e2es, 50),
-        e2e_p99=percentile(e2es, 99),
-        step_s=m.step_time_total / steps,
-        target_s_per_step=m.target_time_total / steps,
-        draft_s_per_step=m.draft_time_total / steps,
-        spec_rounds=s.rounds,
-        draft_tokens_proposed=s.proposed,
-        draft_tokens_accepted=s.accepted,
-        acceptance_rate=s.acceptance_rate,
-        alpha=s.alpha,
-        mean_draft_length=s.mean_draft_length,
-        mean_tokens_per_round=s.mean_tokens_per_round,
-        predicted_tokens_per_round=s.predicted_tokens_per_round(),
-    )
-
-
-def median_cell(runs: list[CellResult]) -> CellResult:
-    """The run of median throughput (the lower one of an even count), with every run's
-    throughput in ``runs_tok_s``."""
-    ordered = sorted(runs, key=lambda c: c.output_tok_s)
-    cell = ordered[(len(ordered) - 1) // 2]
-    cell.runs_tok_s = [c.output_tok_s for c in runs]
-    return cell
-
-
-def compare_with_plain(cells: list[CellResult]) -> None:
-    """Fill in c, measured and predicted speedup of every speculative cell whose batch size has
-    a plain (draft length 0) cell."""
-    plain = {c.batch_size: c for c in cells if c.draft_length == 0}
-    for c in cells:
-        p = plain.get(c.batch_size)
-        if p is None:
-            continue
-        if p.output_tok_s > 0:
-            c.measured_speedup = c.output_tok_s / p.output_tok_s
-        if c.draft_length == 0:
-            c.predicted_speedup = 1.0
-            continue
-        if p.target_s_per_step > 0 and c.draft_length > 0:
-            c.cost_ratio = c.draft_s_per_step / c.draft_length / p.target_s_per_step
-            c.verify_ratio = c.target_s_per_step / p.target_s_per_step
-        if c.alpha is not None and c.cost_ratio is not None and c.mean_draft_length is not None:
-            c.predicted_speedup = predicted_speedup(c.alpha, c.mean_draft_length, c.cost_ratio)
-            if c.verify_ratio is not None:
-                c.predicted_speedup_with_verify = predicted_speedup(
-                    c.alpha, c.mean_draft_length, c.cost_ratio, c.verify_ratio
-                )
-
-
-def _first_below_one(speedups: dict[int, float]) -> int | None:
-    """The smallest batch size from which on every speedup is below 1 (None: never)."""
-    sizes = sorted(speedups)
-    for i, b in enumerate(sizes):
-        if all(speedups[x] < 1.0 for x in sizes[i:]):
-            return b
-    return None
-
-
-def crossover(cells: Sequence[CellResult]) -> dict[str, Any]:
-    """Where speculation stops paying: for each batch size the best measured speculative
-    speedup, the smallest batch size from which on it stays below 1 (None: never in the grid),
-    and the same per draft length."""
-    best: dict[int, float] = {}
-    by_k: dict[int, dict[int, float]] = {}
-    for c in cells:
-        if c.draft_length > 0 and c.measured_speedup is not None:
-            best[c.batch_size] = max(best.get(c.batch_size, 0.0), c.measured_speedup)
-            by_k.setdefault(c.draft_length, {})[c.batch_size] = c.measured_speedup
-    return {
-        "best_speedup_by_batch_size": {str(b): best[b] for b in sorted(best)},
-        "crossover": _first_below_one(best),
-        "crossover_by_draft_length": {str(k): _first_below_one(v) for k, v in sorted(by_k.items())},
-    }
 
 
 # ---- the grid ------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from specbatch.bench.offline import AUTO, BenchResult, CellResult, draft_length_label
+from specbatch.bench.cells import CellResult
+from specbatch.bench.offline import AUTO, BenchResult, draft_length_label
 
 CSV_FIELDS = [f.name for f in fields(CellResult)]
 
