@@ -8,11 +8,10 @@ maximise the batch's expected emitted tokens per second::
 * ``E(a, g) = (1 - a^(g+1)) / (1 - a)`` (THEORY.md), with ``alpha_i`` a Beta-style posterior
   mean: the request's own accepted / tested drafts plus ``prior_strength`` pseudo-draws at the
   engine-wide alpha (itself counted from the rounds this policy observed).
-* ``T`` is ``StepCostModel`` (step_cost.py): the draft's and the target's time per forward as a
-  function of its tokens, profiled on the real models at start-up, summed over the forwards the
-  plan would run, plus a linear residual fitted on every decoding step's observed time. The
-  first ``calibration_rounds`` rounds of steps sweep a uniform gamma through ``0 .. max`` so
-  that real steps of every length are timed early.
+* ``T`` is ``StepCostModel`` (step_cost.py): the forwards the plan would run, as profiled on
+  the real models at start-up, corrected per batch size and deepest draft by the observed time
+  of every decoding step. The first ``calibration_rounds`` rounds of steps sweep a uniform gamma
+  through ``0 .. max`` so that real steps of every length are timed early.
 * KV blocks: when given the KV manager, the policy never plans more draft slots than the free
   blocks hold (the scheduler shrinks further if needed; it never preempts for drafts).
 
@@ -87,19 +86,18 @@ class AdaptiveDraftLength:
         a = (s.accepted + self.prior_strength * self.engine_alpha) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
-    def _learn_prior_strength(self, requests: list[Request], refit: bool) -> None:
+    def _learn_prior_strength(self, requests: list[Request]) -> None:
         """Empirical Bayes: how many pseudo-draws the engine-wide alpha is worth in a request's
         estimate, from how much the alphas of recent requests (the last 256 seen, 10+ tested
         drafts each) spread beyond what their own sampling noise explains. Requests that all
         draft alike get a strong prior (little noise from a few rounds); a workload mixing easy
-        and hard requests gets a weak one (each request's own rate counts soon)."""
+        and hard requests gets a weak one (each request's own rate counts soon). Called every
+        ``explore_every`` steps, off the per-step path."""
         for r in requests:
             self._seen[r.request_id] = (r.spec.accepted, r.spec.accepted + r.spec.rejections)
             self._seen.move_to_end(r.request_id)
         while len(self._seen) > 256:
             self._seen.popitem(last=False)
-        if not refit:
-            return
         counts = np.array([(a, t) for a, t in self._seen.values() if t >= 10], dtype=float)
         if len(counts) < 8:
             return
@@ -132,7 +130,8 @@ class AdaptiveDraftLength:
         if step < self.calibration_steps:  # sweep gamma 0..max, uniform over the batch
             g = step % (self.max_draft_length + 1)
             return self._fit_free_blocks(requests, [min(g, c) for c in caps])
-        self._learn_prior_strength(requests, refit=step % self.explore_every == 0)
+        if step % self.explore_every == 0:
+            self._learn_prior_strength(requests)
         alphas = [self.alpha_of(r) for r in requests]
         lags = [self._amortised_lag(r) for r in requests]
         gammas = self.choose(alphas, caps, shape, lags)
@@ -197,10 +196,10 @@ class AdaptiveDraftLength:
         first also makes the draft catch up on the request's ``lags[i]`` unseen tokens (1 when
         not given). For each deepest draft position G (upwards, until the best rate falls),
         the candidate drafts (j <= G) are taken by decreasing gain, and every prefix of that
-        order is a plan. A per-request plan must
-        beat the best uniform one by ``uniform_margin``: the estimates it leans on are noisy,
-        and uneven progress leaves the slow requests to finish in a thinner batch. Drafting
-        after a plan without drafts, or not after one with, must beat the last plan's depth by
+        order is a plan. A per-request plan must beat the best uniform one by
+        ``uniform_margin``: the estimates it leans on are noisy, and uneven progress leaves the
+        slow requests to finish in a thinner batch. Drafting after a plan without drafts, or
+        not after one with, must beat the last plan's depth by
         ``switch_margin``: flapping between the two makes the draft catch up in bursts.
         """
         n = len(alphas)
@@ -276,7 +275,7 @@ class AdaptiveDraftLength:
 
     # ---- after the step ------------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, step_seconds: float) -> None:
-        """Learn from a finished step: acceptance counts, the timed forwards and the step time."""
+        """Learn from a finished step: acceptance counts, and the step time against the plan."""
         for sr in plan.requests:
             if not sr.sample:
                 continue

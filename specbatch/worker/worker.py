@@ -117,19 +117,17 @@ class Worker:
             self._sync()
             return time.perf_counter() - t0
 
-        shapes = [("target", d, d + 1) for d in range(len(depths))]
+        shapes = [(self.target, ("target", d), g + 1) for d, g in enumerate(depths)]
         if self.draft is not None:
-            shapes.append(("draft", 0, 1))
-        best = {(name, d): [float("inf")] * len(seq_counts) for name, d, _ in shapes}
-        for name, _, per_seq in shapes:  # warm-up
-            timed(self.draft if name == "draft" else self.target, seq_counts[0], per_seq)
+            shapes.append((self.draft, ("draft", 0), 1))
+        best = {key: [float("inf")] * len(seq_counts) for _, key, _ in shapes}
+        for runner, _, per_seq in shapes:  # warm-up
+            timed(runner, seq_counts[0], per_seq)
         for r in range(rounds):
-            for name, d, _ in shapes:
-                runner = self.draft if name == "draft" else self.target
-                per_seq = 1 if name == "draft" else depths[d] + 1
+            for runner, key, per_seq in shapes:
                 for i, n in enumerate(seq_counts):
                     if r == 0 or n * per_seq <= 256:
-                        best[name, d][i] = min(best[name, d][i], timed(runner, n, per_seq))
+                        best[key][i] = min(best[key][i], timed(runner, n, per_seq))
         return {
             "draft": best.get(("draft", 0), []),
             "target": [best["target", d] for d in range(len(depths))],
