@@ -204,14 +204,17 @@ class LLMEngine:
         # batches up to max_num_seqs, or 64 (past that a forward's time grows linearly and the
         # tables continue their last slope), at depths 0, 1, 2, half the maximum and the maximum
         seq_counts = profile_token_counts(min(cfg.max_num_seqs, 64))
+        # the draft's passes to 64 tokens whatever the batch: its first pass of a step also
+        # catches up on the tokens it has not seen (a whole prompt, when a request starts)
+        draft_counts = profile_token_counts(64)
         k = max_draft_length
         depths = sorted({0, 1, min(2, k), max(1, k // 2), k})
         # dummy sequences at half the context length (at most 256), inside the pool
         room = self.kv_cache.num_blocks * cfg.block_size - k - 2
         context = max(0, min(cfg.max_model_len // 2, 256, room))
         start = time.perf_counter()
-        profile = self.executor.profile_passes(seq_counts, context, depths)
-        cost = StepCostModel.from_profile(seq_counts, depths, profile)
+        profile = self.executor.profile_passes(seq_counts, context, depths, draft_counts)
+        cost = StepCostModel.from_profile(seq_counts, depths, draft_counts, profile)
         policy = AdaptiveDraftLength(max_draft_length, cost, self.kv_cache)
         policy.profile_seconds = time.perf_counter() - start
         return policy

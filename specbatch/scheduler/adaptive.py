@@ -7,7 +7,10 @@ maximise the batch's expected emitted tokens per second::
 
 * ``E(a, g) = (1 - a^(g+1)) / (1 - a)`` (THEORY.md), with ``alpha_i`` a Beta-style posterior
   mean: the request's own accepted / tested drafts plus ``prior_strength`` pseudo-draws at the
-  engine-wide alpha (itself counted from the rounds this policy observed).
+  alpha of its sampling class (requests with the same temperature, top-p and top-k; counted
+  from the rounds this policy observed, leaning on the engine-wide alpha while the class is
+  new). Greedy requests and requests sampled at a high temperature accept drafts at very
+  different rates, so a request starts near its own kind's rate, not the mix's.
 * ``T`` is ``StepCostModel`` (step_cost.py): the forwards the plan would run, as profiled on
   the real models at start-up, corrected per batch size and deepest draft by the observed time
   of every decoding step. The first ``calibration_rounds`` rounds of steps sweep a uniform gamma
@@ -28,11 +31,20 @@ import numpy as np
 
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request, SpecStats
+from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
 
 ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
+CLASS_PRIOR = 20.0  # pseudo-draws at the engine-wide alpha in a sampling class's alpha
+
+SamplingClass = tuple[float, float, int]
+
+
+def sampling_class(params: SamplingParams) -> SamplingClass:
+    """Requests expected to accept drafts alike: temperature and top-p to 0.05, top-k."""
+    return (round(params.temperature * 20) / 20, round(params.top_p * 20) / 20, params.top_k)
 
 
 class AdaptiveDraftLength:
@@ -66,11 +78,14 @@ class AdaptiveDraftLength:
         self.switch_margin = switch_margin
         self.profile_seconds = 0.0  # how long the start-up profile of the passes took
         self.spec = SpecStats()  # every round this policy observed, all requests together
+        self.class_spec: dict[SamplingClass, SpecStats] = {}  # the same, per sampling class
+        self._class_of: dict[str, SamplingClass] = {}  # the running requests' classes
         self.draft_length_counts: Counter[int] = Counter()  # granted gamma per decoding request
         self._decode_steps = 0  # steps with decoding requests that the policy planned
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
-        self._seen: OrderedDict[str, tuple[int, int]] = OrderedDict()  # (accepted, tested)
+        # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
+        self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
 
     # ---- estimates ---------------------------------------------------------------------------
     @property
@@ -79,32 +94,47 @@ class AdaptiveDraftLength:
         a = self.spec.alpha
         return self.prior_alpha if a is None else a
 
+    def class_alpha(self, key: SamplingClass) -> float:
+        """The alpha of a sampling class: its tested drafts plus ``CLASS_PRIOR`` pseudo-draws at
+        the engine-wide alpha."""
+        s = self.class_spec.get(key) or SpecStats()
+        tested = s.accepted + s.rejections
+        return (s.accepted + CLASS_PRIOR * self.engine_alpha) / (tested + CLASS_PRIOR)
+
     def alpha_of(self, req: Request) -> float:
-        """Posterior mean: the request's own tested drafts plus pseudo-draws at the engine alpha."""
+        """Posterior mean: the request's own tested drafts plus pseudo-draws at its class's
+        alpha."""
         s = req.spec
         tested = s.accepted + s.rejections
-        a = (s.accepted + self.prior_strength * self.engine_alpha) / (tested + self.prior_strength)
+        prior = self.class_alpha(sampling_class(req.sampling_params))
+        a = (s.accepted + self.prior_strength * prior) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
     def _learn_prior_strength(self, requests: list[Request]) -> None:
-        """Empirical Bayes: how many pseudo-draws the engine-wide alpha is worth in a request's
+        """Empirical Bayes: how many pseudo-draws the class alpha is worth in a request's
         estimate, from how much the alphas of recent requests (the last 256 seen, 10+ tested
-        drafts each) spread beyond what their own sampling noise explains. Requests that all
-        draft alike get a strong prior (little noise from a few rounds); a workload mixing easy
-        and hard requests gets a weak one (each request's own rate counts soon). Called every
-        ``explore_every`` steps, off the per-step path."""
+        drafts each) spread around their class's mean beyond what their own sampling noise
+        explains. Requests that draft alike get a strong prior (little noise from a few
+        rounds); requests that differ within their class get a weak one (each request's own
+        rate counts soon). Called every ``explore_every`` steps, off the per-step path."""
         for r in requests:
-            self._seen[r.request_id] = (r.spec.accepted, r.spec.accepted + r.spec.rejections)
+            s = r.spec
+            key = sampling_class(r.sampling_params)
+            self._seen[r.request_id] = (key, s.accepted, s.accepted + s.rejections)
             self._seen.move_to_end(r.request_id)
         while len(self._seen) > 256:
             self._seen.popitem(last=False)
-        counts = np.array([(a, t) for a, t in self._seen.values() if t >= 10], dtype=float)
-        if len(counts) < 8:
+        rows = [(k, a, t) for k, a, t in self._seen.values() if t >= 10]
+        if len(rows) < 8:
             return
+        counts = np.array([(a, t) for _, a, t in rows], dtype=float)
         rates = counts[:, 0] / counts[:, 1]
+        keys = [k for k, _, _ in rows]
+        means = {k: float(np.mean([r for kk, r in zip(keys, rates) if kk == k])) for k in set(keys)}
+        centre = np.array([means[k] for k in keys])
+        noise = float(np.mean(centre * (1 - centre) / counts[:, 1]))
+        spread = max(float(np.mean((rates - centre) ** 2)) - noise, 1e-4)
         mean = float(rates.mean())
-        noise = float(np.mean(mean * (1 - mean) / counts[:, 1]))
-        spread = max(float(rates.var()) - noise, 1e-4)
         strength = mean * (1 - mean) / spread - 1
         self.prior_strength = float(np.clip(strength, 2.0, 200.0))
 
@@ -124,6 +154,9 @@ class AdaptiveDraftLength:
         if not requests:
             return []
         shape = shape or StepShape.decoding(requests)
+        for r in requests:
+            if r.request_id not in self._class_of:
+                self._class_of[r.request_id] = sampling_class(r.sampling_params)
         caps = self._caps(requests)
         step = self._decode_steps
         self._decode_steps += 1
@@ -134,7 +167,10 @@ class AdaptiveDraftLength:
             self._learn_prior_strength(requests)
         alphas = [self.alpha_of(r) for r in requests]
         lags = [self._amortised_lag(r) for r in requests]
-        gammas = self.choose(alphas, caps, shape, lags)
+        keys = [self._class_of[r.request_id] for r in requests]
+        by_class = {k: self.position_factors(k) for k in set(keys)}
+        factors = np.stack([by_class[k] for k in keys], axis=1)
+        gammas = self.choose(alphas, caps, shape, lags, factors)
         self._depth = max(gammas, default=0)
         bucket = self.cost.batch_bucket(shape.num_seqs)
         seen = self._steps_by_batch[bucket]
@@ -166,19 +202,29 @@ class AdaptiveDraftLength:
         g = min(depths, key=lambda d: self.cost.steps_seen(num_seqs, d))
         return [min(g, c) for c in caps]
 
-    def acceptance(self, alphas: Sequence[float]) -> np.ndarray:
-        """[J, n]: the chance that request i's j-th draft is accepted if the ones before it were.
-
-        Each request's alpha, times the engine-wide shape over draft positions (conditional
-        acceptance at position j over alpha, measured over every observed round; 1 where
-        fewer than 50 rounds reached j): later drafts of a round are accepted more often than
-        the first, as they follow drafts the target agreed with."""
-        shape = np.ones(self.max_draft_length)
-        s, a = self.spec, self.engine_alpha
+    def position_factors(self, key: SamplingClass) -> np.ndarray:
+        """[J]: a class's acceptance at each draft position, given the drafts before it were
+        accepted, over its alpha (1 where fewer than 50 of its rounds reached the position).
+        Later drafts of a round are accepted more often than the first: they follow drafts
+        the target agreed with. Measured per class, as the rounds reaching deep positions
+        are mostly those of the classes that accept most."""
+        factors = np.ones(self.max_draft_length)
+        s = self.class_spec.get(key)
+        if s is None or not s.accepted:
+            return factors
+        a = s.accepted / (s.accepted + s.rejections)
         for j, (acc, reached) in enumerate(zip(s.accepted_by_position, s.reached_by_position)):
-            if j < len(shape) and reached >= 50 and a > 0:
-                shape[j] = acc / reached / a
-        return np.minimum(shape[:, None] * np.asarray(alphas)[None, :], ALPHA_CAP)
+            if j < len(factors) and reached >= 50:
+                factors[j] = acc / reached / a
+        return factors
+
+    def acceptance(self, alphas: Sequence[float], factors: np.ndarray | None = None) -> np.ndarray:
+        """[J, n]: the chance that request i's j-th draft is accepted if the ones before it
+        were: its alpha times its class's ``position_factors`` ([J, n]; 1 when not given)."""
+        a = np.asarray(alphas, dtype=np.float64)[None, :]
+        if factors is None:
+            return np.minimum(np.ones((self.max_draft_length, 1)) * a, ALPHA_CAP)
+        return np.minimum(factors * a, ALPHA_CAP)
 
     def choose(
         self,
@@ -186,6 +232,7 @@ class AdaptiveDraftLength:
         caps: Sequence[int],
         shape: StepShape,
         lags: Sequence[float] | None = None,
+        factors: np.ndarray | None = None,
     ) -> list[int]:
         """Gammas maximising ``sum E(alpha_i, g_i) / T`` over ``g_i <= caps[i]``.
 
@@ -208,7 +255,7 @@ class AdaptiveDraftLength:
             return [0] * n
         cap = np.asarray(caps)
         lag = np.ones(n) if lags is None else np.asarray(lags, dtype=np.float64)
-        gains = np.cumprod(self.acceptance(alphas)[:g_max], axis=0)  # [J, n], j-major
+        gains = np.cumprod(self.acceptance(alphas, factors)[:g_max], axis=0)  # [J, n], j-major
 
         def seconds(catchup: np.ndarray, drafts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
             return self.cost.predict(
@@ -276,6 +323,8 @@ class AdaptiveDraftLength:
     # ---- after the step ------------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, step_seconds: float) -> None:
         """Learn from a finished step: acceptance counts, and the step time against the plan."""
+        for rid in plan.finished_request_ids:
+            self._class_of.pop(rid, None)
         for sr in plan.requests:
             if not sr.sample:
                 continue
@@ -283,6 +332,11 @@ class AdaptiveDraftLength:
             r = result.results.get(sr.request_id)
             if r is not None and sr.num_draft:
                 self.spec.record(sr.num_draft, r.num_accepted)
+                key = self._class_of.get(sr.request_id)
+                if key is not None:
+                    self.class_spec.setdefault(key, SpecStats()).record(
+                        sr.num_draft, r.num_accepted
+                    )
         if all(sr.sample and len(sr.target_token_ids) == 1 for sr in plan.requests):
             self.cost.observe(
                 num_seqs=len(plan.requests),

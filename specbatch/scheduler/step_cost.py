@@ -5,11 +5,13 @@ tokens it has not seen (only when some request drafts), one draft pass per furth
 position over the requests still drafting, and ONE target pass over every scheduled token plus
 the drafts. So::
 
-    T = draft(catch-up tokens) + sum_{j >= 2} draft(n_j) + target(tokens + drafts)
+    T = first_draft(catch-up tokens) + sum_{j >= 2} draft(n_j) + target(tokens + drafts)
 
-``draft`` is the draft's time for one forward of N one-token sequences (``PassTimes``) and
-``target`` the target's for n sequences verifying u tokens each (``VerifyTimes``), both
-profiled on the real models at start-up (``Worker.profile_passes``); ``n_j`` is the number of
+``first_draft`` and ``draft`` are the draft's time for one forward of N one-token sequences
+(``PassTimes``), a step's first such forward (after the target's, the draft's weights out of the
+caches: several times dearer on a CPU) and a further one; ``target`` the target's for n
+sequences verifying u tokens each (``VerifyTimes``); all profiled on the real models at
+start-up, each where a step runs it (``Worker.profile_passes``); ``n_j`` is the number of
 requests drafting at least ``j`` tokens. A forward's time is far from linear in its tokens: on a
 CPU one target token costs about as much as six (the weights are read once either way), past a
 few dozen each adds the same again; the profile keeps that shape, and every decoding step's
@@ -115,45 +117,64 @@ def isotonic(y: np.ndarray) -> np.ndarray:
 class StepCostModel:
     """Predicted seconds of a step: the profiled forwards, times a measured correction.
 
-    ``T = (target_profiled + draft_profiled) * ratio(batch, G)``, where G is the plan's deepest
-    draft position (0: no drafts) and ``ratio`` is the geometric mean of observed over profiled
-    time of the last ``memory`` decoding steps at the same batch size (half-octave buckets of
-    sequences) and the same G. A (batch, G) pair with few steps leans on what the steps at
-    that batch size and the steps at that depth say (``log_ratio``). The profile gives the
-    shape (what one more draft token or one more request drafting costs); the ratios make the
-    levels that the policy compares, no drafts against one against two, what the real steps
-    measured at this batch size, whatever the profile missed (inputs built per sequence,
-    attention over real contexts, sampling, scheduling, a machine busier than at start-up).
+    ``T = (target_profiled + draft_profiled) * exp(level(batch) + shift(batch, G))``, where G
+    is the plan's deepest draft position (0: no drafts), in log(observed / profiled) of the
+    decoding steps:
+
+    * ``level`` is the mean over the last ``level_memory`` steps at this batch size
+      (half-octave buckets of sequences), at whatever depth, less each one's shift: the
+      machine's speed now, and what the profile misses at every depth (inputs built per
+      sequence, sampling, scheduling). A machine that slows down slows every depth, the ones
+      the policy does not run included.
+    * ``shift`` is how much steps at depth G ran above the level of their time (the last
+      ``memory`` steps there), leaning on what the steps at other batch sizes and depths say
+      while it has few (``_shift``).
+
+    Only the shifts tell one plan from another at a batch size (a level scales every plan
+    alike), so the level may follow the last few steps, and the shifts, learned as contrasts
+    with those, stay out of the machine's drift: a depth measured minutes ago is not compared
+    at the machine speed of then with one measured now, on a machine whose step time drifts
+    by tens of percent.
+    Each prediction adds a doubt in proportion to the shift's standard error, so that a depth
+    run a few times does not win on one lucky step over the one the policy has been running.
     """
 
     def __init__(
         self,
         draft: PassTimes,
         target: VerifyTimes,
-        memory: int = 32,
+        memory: int = 128,
+        level_memory: int = 4,
         prior_weight: float = 2.0,
         step_noise: float = 0.08,
+        first_draft: PassTimes | None = None,
     ) -> None:
         self.draft = draft
+        self.first_draft = draft if first_draft is None else first_draft
         self.target = target
         self.memory = memory
+        self.level_memory = level_memory
         self.prior_weight = prior_weight
         self.step_noise = step_noise  # spread of one step's log(observed / profiled)
-        # log(observed / profiled): [mean, number of steps (at most memory)]
-        self.by_depth: dict[tuple[int, int], list[float]] = {}
-        self.by_batch: dict[int, list[float]] = {}
-        self.by_depth_only: dict[int, list[float]] = {}
-        self.overall = [0.0, 0.0]
+        # [mean, number of steps (at most the memory)], in log(observed / profiled)
+        self.level: dict[int, list[float]] = {}  # per batch bucket
+        self.shift: dict[tuple[int, int], list[float]] = {}  # per (batch bucket, depth)
+        self.overall = [0.0, 0.0]  # the level over every batch size
         self._cache: dict[int, np.ndarray] = {}
 
     @classmethod
     def from_profile(
-        cls, seq_counts: Sequence[int], depths: Sequence[int], profile: dict[str, Any]
+        cls,
+        seq_counts: Sequence[int],
+        depths: Sequence[int],
+        draft_counts: Sequence[int],
+        profile: dict[str, Any],
     ) -> StepCostModel:
-        """From ``Worker.profile_passes(seq_counts, context, depths)``."""
+        """From ``Worker.profile_passes(seq_counts, context, depths, draft_counts)``."""
         return cls(
-            PassTimes(seq_counts, profile["draft"]),
+            PassTimes(draft_counts, profile["draft"]),
             VerifyTimes(seq_counts, depths, profile["target"]),
+            first_draft=PassTimes(draft_counts, profile["draft_first"]),
         )
 
     @staticmethod
@@ -170,38 +191,39 @@ class StepCostModel:
     ) -> np.ndarray:
         """The profile's seconds for candidate plans [P] (see ``predict``)."""
         extra = target_tokens - num_seqs + np.asarray(draft_tokens, dtype=np.float64)
-        seconds = self.target(num_seqs, extra) + self.draft(catchup_tokens)
+        seconds = self.target(num_seqs, extra) + self.first_draft(catchup_tokens)
         if pass_sizes.size:
             seconds = seconds + self.draft(pass_sizes).sum(axis=1)
         return seconds
 
-    def log_ratio(self, num_seqs: int, depth: int) -> float:
-        """The correction at this batch size and deepest draft position, in log space: the
-        steps at both, leaning (with ``prior_weight`` steps' worth) on the level of the steps at
-        this batch size plus how much the depth moved it at the nearest batch size that ran it
-        (what the profile misses changes with the batch size), plus a doubt."""
-        bucket = self.batch_bucket(num_seqs)
-        k = self.prior_weight
-        overall = self.overall[0]
-
-        def lean(own: list[float] | None, prior: float) -> float:
-            return prior if own is None else (own[0] * own[1] + prior * k) / (own[1] + k)
-
-        level = lean(self.by_batch.get(bucket), overall)
-        shift = lean(self.by_depth_only.get(depth), overall) - overall
-        near = [b for b, g in self.by_depth if g == depth and b != bucket and b in self.by_batch]
+    def _shift(self, bucket: int, depth: int) -> float:
+        """The shift at (bucket, depth), leaning with ``prior_weight`` steps on the shift at
+        this depth at the nearest batch size that ran it, else on this batch size's shifts at
+        the depths beside it (interpolated), else on none."""
+        prior = 0.0
+        near = [b for b, g in self.shift if g == depth and b != bucket]
+        here = sorted((g, v[0]) for (b, g), v in self.shift.items() if b == bucket and g != depth)
         if near:
-            b = min(near, key=lambda b: (abs(b - bucket), -b))
-            shift = self.by_depth[(b, depth)][0] - self.by_batch[b][0]
-        own = self.by_depth.get((bucket, depth))
-        # pessimism in proportion to the standard error: a depth run a few times here does not
-        # win on one lucky step over the depth the policy has been measuring all along
-        doubt = self.step_noise / np.sqrt((0.0 if own is None else own[1]) + k)
-        return lean(own, level + shift) + doubt
+            prior = self.shift[min(near, key=lambda b: (abs(b - bucket), -b)), depth][0]
+        elif here:
+            prior = float(np.interp(depth, [g for g, _ in here], [v for _, v in here]))
+        own = self.shift.get((bucket, depth))
+        if own is None:
+            return prior
+        k = self.prior_weight
+        return (own[0] * own[1] + prior * k) / (own[1] + k)
+
+    def log_ratio(self, num_seqs: int, depth: int) -> float:
+        """log(observed / profiled) expected at this batch size and deepest draft position,
+        with the doubt added."""
+        bucket = self.batch_bucket(num_seqs)
+        level = self.level.get(bucket, self.overall)[0]
+        doubt = self.step_noise / np.sqrt(self.steps_seen(num_seqs, depth) + self.prior_weight)
+        return level + self._shift(bucket, depth) + doubt
 
     def steps_seen(self, num_seqs: int, depth: int) -> float:
-        """How many recent steps (at most ``memory``) the correction at (batch, G) rests on."""
-        own = self.by_depth.get((self.batch_bucket(num_seqs), depth))
+        """How many recent steps the shift at (batch, G) rests on."""
+        own = self.shift.get((self.batch_bucket(num_seqs), depth))
         return 0.0 if own is None else own[1]
 
     def predict(
@@ -252,11 +274,15 @@ class StepCostModel:
         x = float(np.log(step_seconds / seconds[0]))
         self._cache.clear()
         bucket = self.batch_bucket(num_seqs)
-        for entry in (
-            self.overall,
-            self.by_batch.setdefault(bucket, [0.0, 0.0]),
-            self.by_depth_only.setdefault(depth, [0.0, 0.0]),
-            self.by_depth.setdefault((bucket, depth), [0.0, 0.0]),
+        shift = self._shift(bucket, depth)
+        # a new batch size's level starts from that of all steps (before its first step is in)
+        start = self.overall[0] if self.overall[1] else x - shift
+        level = self.level.setdefault(bucket, [start, 0.0])
+        before = level[0]
+        for entry, value, memory in (
+            (level, x - shift, self.level_memory),
+            (self.overall, x - shift, self.level_memory),
+            (self.shift.setdefault((bucket, depth), [0.0, 0.0]), x - before, self.memory),
         ):
-            entry[1] = min(entry[1] + 1.0, self.memory)
-            entry[0] += (x - entry[0]) / entry[1]
+            entry[1] = min(entry[1] + 1.0, memory)
+            entry[0] += (value - entry[0]) / entry[1]

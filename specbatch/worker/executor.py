@@ -14,7 +14,7 @@ class Executor(Protocol):
     def init_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, plan: SchedulerOutput) -> StepResult: ...
     def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int]
+        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
     ) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
 
@@ -59,9 +59,9 @@ class UniprocExecutor:
         return self.worker.execute(plan)
 
     def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int]
+        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
     ) -> dict[str, Any]:
-        return self.worker.profile_passes(seq_counts, context_len, depths)
+        return self.worker.profile_passes(seq_counts, context_len, depths, draft_counts)
 
     def shutdown(self) -> None:
         pass

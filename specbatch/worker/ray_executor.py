@@ -224,11 +224,17 @@ class RayExecutor:
         return result
 
     def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int]
+        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
     ) -> dict[str, Any]:
         """Every rank runs the dummy passes together (their collectives pair up); rank 0's times."""
         results = self._call_all(
-            "pass profiling", "profile_passes", seq_counts, context_len, depths, timeout=None
+            "pass profiling",
+            "profile_passes",
+            seq_counts,
+            context_len,
+            depths,
+            draft_counts,
+            timeout=None,
         )
         return results[0]
 

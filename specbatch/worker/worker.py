@@ -87,13 +87,22 @@ class Worker:
 
     @torch.inference_mode()
     def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], rounds: int = 2
+        self,
+        seq_counts: list[int],
+        context_len: int,
+        depths: list[int],
+        draft_counts: list[int],
+        rounds: int = 2,
     ) -> dict[str, list[float] | list[list[float]]]:
-        """Seconds of the forwards a speculative step runs, for each n in ``seq_counts``:
-        ``draft[i]``, the draft over n one-token sequences (a draft pass), and ``target[d][i]``,
-        the target over n sequences of ``depths[d] + 1`` tokens each (a verify pass), logits and
-        probabilities of every token included; dummy sequences at position ``context_len``.
-        The fastest of ``rounds`` interleaved rounds (one past 256 tokens), after a warm-up.
+        """Seconds of the forwards a speculative step runs, each timed where a step runs it:
+        ``draft_first[i]``, the draft over ``draft_counts[i]`` one-token sequences right after
+        a target pass (a step's first draft pass, which also catches up on unseen tokens, with
+        the draft's weights out of the caches), ``draft[i]`` the same right after a draft pass
+        (its further passes), and ``target[d][i]``, the target over ``seq_counts[i]`` sequences
+        of ``depths[d] + 1`` tokens each right after a draft pass (a verify pass); logits and
+        probabilities of every token included, dummy sequences at position ``context_len``. The
+        fastest of ``rounds`` rounds after a warm-up round (one round, no warm-up, past 256 tokens). On a CPU the
+        first draft pass of a step costs several times a further one.
 
         Run before any request: every dummy sequence reads and writes the same first KV blocks,
         which no request holds yet (a request writes its slots before it reads them)."""
@@ -117,21 +126,27 @@ class Worker:
             self._sync()
             return time.perf_counter() - t0
 
-        shapes = [(self.target, ("target", d), g + 1) for d, g in enumerate(depths)]
-        if self.draft is not None:
-            shapes.append((self.draft, ("draft", 0), 1))
-        best = {key: [float("inf")] * len(seq_counts) for _, key, _ in shapes}
-        for runner, _, per_seq in shapes:  # warm-up
-            timed(runner, seq_counts[0], per_seq)
-        for r in range(rounds):
-            for runner, key, per_seq in shapes:
-                for i, n in enumerate(seq_counts):
-                    if r == 0 or n * per_seq <= 256:
-                        best[key][i] = min(best[key][i], timed(runner, n, per_seq))
-        return {
-            "draft": best.get(("draft", 0), []),
-            "target": [best["target", d] for d in range(len(depths))],
-        }
+        draft = self.draft
+        draft_counts = draft_counts if draft is not None else []
+        first = [float("inf")] * len(draft_counts)
+        further = [float("inf")] * len(draft_counts)
+        target = [[float("inf")] * len(seq_counts) for _ in depths]
+        for r in range(-1, rounds):  # round -1 warms every shape up and is not kept
+            for i, n in enumerate(draft_counts):
+                if r == 0 or n <= 256:
+                    timed(self.target, 1, 1)
+                    t_first, t_further = timed(draft, n, 1), timed(draft, n, 1)
+                    if r >= 0:
+                        first[i], further[i] = min(first[i], t_first), min(further[i], t_further)
+            for i, n in enumerate(seq_counts):
+                for d, g in enumerate(depths):
+                    if r == 0 or n * (g + 1) <= 256:
+                        if draft is not None:
+                            timed(draft, 1, 1)
+                        seconds = timed(self.target, n, g + 1)
+                        if r >= 0:
+                            target[d][i] = min(target[d][i], seconds)
+        return {"draft_first": first, "draft": further, "target": target}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
