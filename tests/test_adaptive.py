@@ -381,6 +381,25 @@ def test_engine_args_accept_auto(pair):  # noqa: F811
     assert out[0].metrics.draft_lengths  # the per-request metrics: gamma of each round
 
 
+def test_profile_times_every_pass_through_the_step_code(pair):  # noqa: F811
+    llm = engine(pair, 2)
+    worker = llm.engine.executor.worker
+    free = llm.engine.num_free_kv_blocks
+    seq_counts, depths, draft_counts = [1, 2, 4], [0, 1, 2], [1, 2, 8, 16]
+    profile = worker.profile_passes(seq_counts, 12, depths, draft_counts)
+    assert len(profile["draft_first"]) == len(draft_counts)
+    assert len(profile["draft_further"]) == len(seq_counts)
+    assert [len(row) for row in profile["target"]] == [len(seq_counts)] * len(depths)
+    times = [*profile["draft_first"], *profile["draft_further"]]
+    times += [t for row in profile["target"] for t in row]
+    assert all(0 < t < 10 for t in times)
+    assert not worker._states  # the dummy requests are forgotten
+    assert llm.engine.num_free_kv_blocks == free == llm.engine.num_kv_blocks
+    # and the engine runs as before
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=6), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
 def test_joint_of_first_three_tokens_is_the_targets_with_auto(pair):  # noqa: F811
     llm = engine(pair, "auto", seed=21, max_draft_length=4)
     pol = llm.engine.scheduler.policy

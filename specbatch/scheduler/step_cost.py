@@ -9,10 +9,10 @@ the drafts. So::
 
 ``first_draft`` and ``draft`` are the draft's time for one forward of N one-token sequences
 (``PassTimes``), a step's first such forward (after the target's, the draft's weights out of the
-caches: several times dearer on a CPU) and a further one; ``target`` the target's for n
-sequences verifying u tokens each (``VerifyTimes``); all profiled on the real models at
-start-up, each where a step runs it (``Worker.profile_passes``); ``n_j`` is the number of
-requests drafting at least ``j`` tokens. A forward's time is far from linear in its tokens: on a
+caches: dearer on a CPU) and a further one; ``target`` the target's for n sequences verifying
+u tokens each (``VerifyTimes``); all profiled on the real models at start-up, each inside a
+real step (worker/pass_profile.py); ``n_j`` is the number of requests drafting at least ``j``
+tokens. A forward's time is far from linear in its tokens: on a
 CPU one target token costs about as much as six (the weights are read once either way), past a
 few dozen each adds the same again; the profile keeps that shape, and every decoding step's
 observed time corrects its level where the policy works (``StepCostModel``).
@@ -172,7 +172,7 @@ class StepCostModel:
     ) -> StepCostModel:
         """From ``Worker.profile_passes(seq_counts, context, depths, draft_counts)``."""
         return cls(
-            PassTimes(draft_counts, profile["draft"]),
+            PassTimes(seq_counts, profile["draft_further"]),
             VerifyTimes(seq_counts, depths, profile["target"]),
             first_draft=PassTimes(draft_counts, profile["draft_first"]),
         )

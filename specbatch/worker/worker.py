@@ -26,6 +26,7 @@ from specbatch.scheduler.output import (
     StepResult,
 )
 from specbatch.worker.model_runner import ModelRunner, build_inputs
+from specbatch.worker.pass_profile import profile_passes
 from specbatch.worker.rejection_sampler import rejection_sample
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
@@ -62,6 +63,7 @@ class Worker:
         if config.speculative and config.draft is not None:
             self.draft = ModelRunner(config.draft, self.device, draft_tp, config.attention_backend)
         self._states: dict[str, _RequestState] = {}
+        self.sync_phases = False  # wait for the device between a step's phases (profiling)
 
     # ---- set-up ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -87,66 +89,10 @@ class Worker:
 
     @torch.inference_mode()
     def profile_passes(
-        self,
-        seq_counts: list[int],
-        context_len: int,
-        depths: list[int],
-        draft_counts: list[int],
-        rounds: int = 2,
+        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
     ) -> dict[str, list[float] | list[list[float]]]:
-        """Seconds of the forwards a speculative step runs, each timed where a step runs it:
-        ``draft_first[i]``, the draft over ``draft_counts[i]`` one-token sequences right after
-        a target pass (a step's first draft pass, which also catches up on unseen tokens, with
-        the draft's weights out of the caches), ``draft[i]`` the same right after a draft pass
-        (its further passes), and ``target[d][i]``, the target over ``seq_counts[i]`` sequences
-        of ``depths[d] + 1`` tokens each right after a draft pass (a verify pass); logits and
-        probabilities of every token included, dummy sequences at position ``context_len``. The
-        fastest of ``rounds`` rounds after a warm-up round (one round, no warm-up, past 256 tokens). On a CPU the
-        first draft pass of a step costs several times a further one.
-
-        Run before any request: every dummy sequence reads and writes the same first KV blocks,
-        which no request holds yet (a request writes its slots before it reads them)."""
-        block_size = self.config.block_size
-        table = list(range((context_len + max(depths) + 1) // block_size + 1))
-        st = _sampling_tensors([SamplingParams()], self.device)
-
-        def timed(runner: ModelRunner, n: int, per_seq: int) -> float:
-            inputs = build_inputs(
-                torch.zeros(n * per_seq, dtype=torch.int64, device=self.device),
-                [per_seq] * n,
-                [context_len] * n,
-                [table] * n,
-                block_size,
-                self.device,
-            )
-            self._sync()
-            t0 = time.perf_counter()
-            rows = torch.arange(n * per_seq, device=self.device)
-            logits_to_probs(runner.forward(inputs, rows), st)  # st's one row broadcasts
-            self._sync()
-            return time.perf_counter() - t0
-
-        draft = self.draft
-        draft_counts = draft_counts if draft is not None else []
-        first = [float("inf")] * len(draft_counts)
-        further = [float("inf")] * len(draft_counts)
-        target = [[float("inf")] * len(seq_counts) for _ in depths]
-        for r in range(-1, rounds):  # round -1 warms every shape up and is not kept
-            for i, n in enumerate(draft_counts):
-                if r == 0 or n <= 256:
-                    timed(self.target, 1, 1)
-                    t_first, t_further = timed(draft, n, 1), timed(draft, n, 1)
-                    if r >= 0:
-                        first[i], further[i] = min(first[i], t_first), min(further[i], t_further)
-            for i, n in enumerate(seq_counts):
-                for d, g in enumerate(depths):
-                    if r == 0 or n * (g + 1) <= 256:
-                        if draft is not None:
-                            timed(draft, 1, 1)
-                        seconds = timed(self.target, n, g + 1)
-                        if r >= 0:
-                            target[d][i] = min(target[d][i], seconds)
-        return {"draft_first": first, "draft": further, "target": target}
+        """The forwards of a step, timed through ``execute`` (pass_profile.py)."""
+        return profile_passes(self, seq_counts, context_len, depths, draft_counts)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -162,6 +108,8 @@ class Worker:
                 new.sampling_params, torch.Generator().manual_seed(new.seed)
             )
         reqs = plan.requests
+        if not reqs:
+            return StepResult()
         sampling = [r for r in reqs if r.sample]
         gammas = [r.num_draft for r in sampling] if self.draft is not None else [0] * len(sampling)
         g_max = max(gammas, default=0)
@@ -169,8 +117,12 @@ class Worker:
         uniforms = self._draw_uniforms(sampling, gammas, g_max)
         t0 = time.perf_counter()
         drafts, q = self._propose(reqs, sampling, gammas, g_max, params, uniforms[:, :g_max])
+        if self.sync_phases:
+            self._sync()
         t1 = time.perf_counter()
         p = self._verify(reqs, sampling, drafts, gammas, g_max, params)
+        if self.sync_phases:
+            self._sync()
         t2 = time.perf_counter()
         if not sampling:
             return StepResult(timings={"draft": t1 - t0, "target": t2 - t1, "sample": 0.0})
