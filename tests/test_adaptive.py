@@ -353,12 +353,17 @@ def test_never_plans_more_drafts_than_the_free_blocks_hold():
 
 
 def test_explores_one_position_beside_its_choice():
-    # drafts do not pay: the choice is 0, and every explore_every-th step drafts 1 everywhere
+    # drafts do not pay: the choice is 0, and every explore_every-th step drafts 1 somewhere
     pol = policy(4, (1.0, 0.0), (10.0, 0.0), calibration_rounds=0, explore_every=5)
     reqs = [make_request("a", 4, 50), make_request("b", 4, 50)]
     chosen = [pol.draft_lengths(reqs) for _ in range(20)]
-    assert chosen[1:8:2] == [[1, 1]] * 4  # a new batch size: every other step at first
-    assert chosen[10:] == ([[0, 0]] * 4 + [[1, 1]]) * 2
+    # a new batch size: every other step at first; from no drafts, one request in 16 drafts
+    # (at least one), the one the draft lags least
+    assert chosen[1:8:2] == [[1, 0]] * 4
+    assert chosen[10:] == ([[0, 0]] * 4 + [[1, 0]]) * 2
+    reqs[1].num_draft_computed = reqs[1].num_tokens  # b's draft is up to date, a's is not
+    pol._steps_by_batch.clear()
+    assert [pol.draft_lengths(reqs) for _ in range(2)] == [[0, 0], [0, 1]]
     # free drafts: the choice is the most allowed, and exploring goes one shallower
     pol = policy(4, (1.0, 0.0), (0.0, 0.0), calibration_rounds=0, explore_every=2)
     assert [pol.draft_lengths(reqs) for _ in range(2)] == [[4, 4], [3, 3]]

@@ -84,6 +84,7 @@ class AdaptiveDraftLength:
         self._decode_steps = 0  # steps with decoding requests that the policy planned
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
+        self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
         # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
         self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
 
@@ -170,15 +171,21 @@ class AdaptiveDraftLength:
         keys = [self._class_of[r.request_id] for r in requests]
         by_class = {k: self.position_factors(k) for k in set(keys)}
         factors = np.stack([by_class[k] for k in keys], axis=1)
-        gammas = self.choose(alphas, caps, shape, lags, factors)
-        self._depth = max(gammas, default=0)
         bucket = self.cost.batch_bucket(shape.num_seqs)
         seen = self._steps_by_batch[bucket]
         self._steps_by_batch[bucket] += 1
+        # the search over per-request plans is most of the policy's time: while it keeps
+        # losing to the uniform plans at this batch size, it runs every 8th step only
+        search = self._per_request_won.get(bucket, True) or seen % 8 == 0
+        gammas = self.choose(alphas, caps, shape, lags, factors, per_request=search)
+        if search:
+            deepest = max(gammas, default=0)
+            self._per_request_won[bucket] = any(g != min(deepest, c) for g, c in zip(gammas, caps))
+        self._depth = max(gammas, default=0)
         # explore every explore_every-th step at a batch size, and every other one of its first
         # eight: a new batch size has its own costs to learn
         if seen % self.explore_every == self.explore_every - 1 or (seen < 8 and seen % 2):
-            gammas = self._explore(gammas, caps, shape.num_seqs)
+            gammas = self._explore(gammas, caps, requests)
         return self._fit_free_blocks(requests, gammas)
 
     @staticmethod
@@ -192,15 +199,21 @@ class AdaptiveDraftLength:
         rounds_left = max(1.0, (req.max_output_tokens - len(req.output_token_ids)) / 2)
         return 1.0 + max(0, lag - 1) / rounds_left
 
-    def _explore(self, chosen: list[int], caps: list[int], num_seqs: int) -> list[int]:
-        """A uniform plan one draft position shallower or deeper than the chosen one (the one
-        measured less at this batch size), so the step times beside the policy's choice stay
-        measured: the cost model's correction for a depth the policy never ran would never
-        change."""
+    def _explore(self, chosen: list[int], caps: list[int], requests: list[Request]) -> list[int]:
+        """A plan one draft position shallower or deeper than the chosen one (the one measured
+        less at this batch size), so the step times beside the policy's choice stay measured:
+        the cost model's correction for a depth the policy never ran would never change. From
+        a plan without drafts, only one request in 16 drafts, those the draft lags least: every
+        request drafting would make the draft catch up on all the tokens it skipped at once."""
         deepest = max(chosen)
         depths = [g for g in (deepest - 1, deepest + 1) if 0 <= g <= self.max_draft_length]
-        g = min(depths, key=lambda d: self.cost.steps_seen(num_seqs, d))
-        return [min(g, c) for c in caps]
+        g = min(depths, key=lambda d: self.cost.steps_seen(len(requests), d))
+        if deepest > 0:
+            return [min(g, c) for c in caps]
+        lag = [r.num_tokens - r.num_draft_computed for r in requests]
+        able = sorted((i for i, c in enumerate(caps) if c > 0), key=lambda i: lag[i])
+        picked = set(able[: max(1, len(requests) // 16)])
+        return [int(i in picked) for i in range(len(requests))]
 
     def position_factors(self, key: SamplingClass) -> np.ndarray:
         """[J]: a class's acceptance at each draft position, given the drafts before it were
@@ -233,6 +246,7 @@ class AdaptiveDraftLength:
         shape: StepShape,
         lags: Sequence[float] | None = None,
         factors: np.ndarray | None = None,
+        per_request: bool = True,
     ) -> list[int]:
         """Gammas maximising ``sum E(alpha_i, g_i) / T`` over ``g_i <= caps[i]``.
 
@@ -248,6 +262,7 @@ class AdaptiveDraftLength:
         slow requests to finish in a thinner batch. Drafting after a plan without drafts, or
         not after one with, must beat the last plan's depth by
         ``switch_margin``: flapping between the two makes the draft catch up in bursts.
+        ``per_request=False`` prices the uniform plans only.
         """
         n = len(alphas)
         g_max = max(caps, default=0)
@@ -279,6 +294,8 @@ class AdaptiveDraftLength:
         best = uniform[u]
         if n == 1:  # one request: the uniform plans are all the plans
             return [int(best[0])]
+        if not per_request:
+            return [int(g) for g in best]
 
         allowed = np.arange(1, g_max + 1)[:, None] <= cap[None, :]  # [J, n]
         previous = 0.0

@@ -86,10 +86,14 @@ class VerifyTimes:
             raise ValueError("VerifyTimes needs one row of times per depth, and at least one")
         self.depths = np.asarray(depths, dtype=np.float64)
         self.rows = [PassTimes(seq_counts, row) for row in seconds]
+        self._at_n: dict[int, np.ndarray] = {}
 
     def __call__(self, num_seqs: int, extra_tokens: np.ndarray | float) -> np.ndarray:
         """Seconds for ``num_seqs`` sequences carrying ``extra_tokens`` tokens beyond one each."""
-        at_n = np.maximum.accumulate([float(row(num_seqs)) for row in self.rows])
+        at_n = self._at_n.get(num_seqs)
+        if at_n is None:  # the profiled depths' times at this n, looked up once per n
+            at_n = np.maximum.accumulate([float(row(num_seqs)) for row in self.rows])
+            self._at_n[num_seqs] = at_n
         per_seq = np.asarray(extra_tokens, dtype=np.float64) / max(num_seqs, 1)
         t = np.interp(per_seq, self.depths, at_n)
         if len(at_n) > 1:
@@ -159,6 +163,8 @@ class StepCostModel:
         # [mean, number of steps (at most the memory)], in log(observed / profiled)
         self.level: dict[int, list[float]] = {}  # per batch bucket
         self.shift: dict[tuple[int, int], list[float]] = {}  # per (batch bucket, depth)
+        self._buckets_at: dict[int, list[int]] = {}  # depth -> buckets with a shift there
+        self._depths_at: dict[int, dict[int, list[float]]] = {}  # bucket -> depth -> shift
         self.overall = [0.0, 0.0]  # the level over every batch size
         self._cache: dict[int, np.ndarray] = {}
 
@@ -201,8 +207,8 @@ class StepCostModel:
         this depth at the nearest batch size that ran it, else on this batch size's shifts at
         the depths beside it (interpolated), else on none."""
         prior = 0.0
-        near = [b for b, g in self.shift if g == depth and b != bucket]
-        here = sorted((g, v[0]) for (b, g), v in self.shift.items() if b == bucket and g != depth)
+        near = [b for b in self._buckets_at.get(depth, ()) if b != bucket]
+        here = sorted((g, v[0]) for g, v in self._depths_at.get(bucket, {}).items() if g != depth)
         if near:
             prior = self.shift[min(near, key=lambda b: (abs(b - bucket), -b)), depth][0]
         elif here:
@@ -212,6 +218,14 @@ class StepCostModel:
             return prior
         k = self.prior_weight
         return (own[0] * own[1] + prior * k) / (own[1] + k)
+
+    def _shift_entry(self, bucket: int, depth: int) -> list[float]:
+        entry = self.shift.get((bucket, depth))
+        if entry is None:
+            entry = self.shift[bucket, depth] = [0.0, 0.0]
+            self._buckets_at.setdefault(depth, []).append(bucket)
+            self._depths_at.setdefault(bucket, {})[depth] = entry
+        return entry
 
     def log_ratio(self, num_seqs: int, depth: int) -> float:
         """log(observed / profiled) expected at this batch size and deepest draft position,
@@ -282,7 +296,7 @@ class StepCostModel:
         for entry, value, memory in (
             (level, x - shift, self.level_memory),
             (self.overall, x - shift, self.level_memory),
-            (self.shift.setdefault((bucket, depth), [0.0, 0.0]), x - before, self.memory),
+            (self._shift_entry(bucket, depth), x - before, self.memory),
         ):
             entry[1] = min(entry[1] + 1.0, memory)
             entry[0] += (value - entry[0]) / entry[1]
