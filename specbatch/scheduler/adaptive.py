@@ -62,6 +62,7 @@ class AdaptiveDraftLength:
         prior_strength: float = 8.0,
         calibration_rounds: int = 1,
         explore_every: int = 16,
+        replan_every: int = 4,
         uniform_margin: float = 0.03,
         switch_margin: float = 0.03,
     ) -> None:
@@ -74,6 +75,7 @@ class AdaptiveDraftLength:
         self.prior_strength = prior_strength
         self.calibration_steps = calibration_rounds * (max_draft_length + 1)
         self.explore_every = explore_every
+        self.replan_every = replan_every  # a batch unchanged since the last step keeps its plan
         self.uniform_margin = uniform_margin
         self.switch_margin = switch_margin
         self.profile_seconds = 0.0  # how long the start-up profile of the passes took
@@ -85,6 +87,7 @@ class AdaptiveDraftLength:
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
+        self._last_plan: tuple[tuple[str, ...], StepShape, list[int]] | None = None
         # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
         self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
 
@@ -166,14 +169,35 @@ class AdaptiveDraftLength:
             return self._fit_free_blocks(requests, [min(g, c) for c in caps])
         if step % self.explore_every == 0:
             self._learn_prior_strength(requests)
+        bucket = self.cost.batch_bucket(shape.num_seqs)
+        seen = self._steps_by_batch[bucket]
+        self._steps_by_batch[bucket] += 1
+        ids = tuple(r.request_id for r in requests)
+        last = self._last_plan
+        if last is not None and last[:2] == (ids, shape) and seen % self.replan_every:
+            # the same batch in the same shape as the last step: its plan stands (the inputs
+            # of the choice move little in a step, and on a CPU the choice costs a few
+            # percent of a small batch's step)
+            gammas = [min(g, c) for g, c in zip(last[2], caps)]
+        else:
+            gammas = self._plan(requests, caps, shape, bucket, seen)
+            self._last_plan = (ids, shape, gammas)
+        self._depth = max(gammas, default=0)
+        # explore every explore_every-th step at a batch size, and every other one of its first
+        # eight: a new batch size has its own costs to learn
+        if seen % self.explore_every == self.explore_every - 1 or (seen < 8 and seen % 2):
+            gammas = self._explore(gammas, caps, requests)
+        return self._fit_free_blocks(requests, gammas)
+
+    def _plan(
+        self, requests: list[Request], caps: list[int], shape: StepShape, bucket: int, seen: int
+    ) -> list[int]:
+        """``choose`` on the requests' estimates."""
         alphas = [self.alpha_of(r) for r in requests]
         lags = [self._amortised_lag(r) for r in requests]
         keys = [self._class_of[r.request_id] for r in requests]
         by_class = {k: self.position_factors(k) for k in set(keys)}
         factors = np.stack([by_class[k] for k in keys], axis=1)
-        bucket = self.cost.batch_bucket(shape.num_seqs)
-        seen = self._steps_by_batch[bucket]
-        self._steps_by_batch[bucket] += 1
         # the search over per-request plans is most of the policy's time: while it keeps
         # losing to the uniform plans at this batch size, it runs every 8th step only
         search = self._per_request_won.get(bucket, True) or seen % 8 == 0
@@ -181,12 +205,7 @@ class AdaptiveDraftLength:
         if search:
             deepest = max(gammas, default=0)
             self._per_request_won[bucket] = any(g != min(deepest, c) for g, c in zip(gammas, caps))
-        self._depth = max(gammas, default=0)
-        # explore every explore_every-th step at a batch size, and every other one of its first
-        # eight: a new batch size has its own costs to learn
-        if seen % self.explore_every == self.explore_every - 1 or (seen < 8 and seen % 2):
-            gammas = self._explore(gammas, caps, requests)
-        return self._fit_free_blocks(requests, gammas)
+        return gammas
 
     @staticmethod
     def _amortised_lag(req: Request) -> float:
