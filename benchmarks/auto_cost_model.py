@@ -40,7 +40,10 @@ class Timed:
     def __init__(self, policy: Any, batch: int, log: list[tuple[int, float]]) -> None:
         self.policy, self.batch, self.log = policy, batch, log
         self.max_draft_length = policy.max_draft_length
-        self.lazy_draft = policy.lazy_draft
+
+    @property
+    def lazy_draft(self) -> bool:
+        return self.policy.lazy_draft
 
     def draft_lengths(self, requests: list[Request], shape: StepShape | None = None) -> list[int]:
         return self.policy.draft_lengths(requests, shape)

@@ -18,8 +18,13 @@ from specbatch import SamplingParams
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.adaptive import AdaptiveDraftLength
-from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
+from specbatch.scheduler.adaptive import AdaptiveDraftLength, sampling_class
+from specbatch.scheduler.output import (
+    RequestStepResult,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepResult,
+)
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import (
@@ -247,6 +252,52 @@ def test_alpha_estimate_starts_at_the_engine_rate_and_moves_to_the_requests():
     for _ in range(30):
         other.spec.record(4, 0)
     assert p.alpha_of(other) < 0.15
+
+
+def observe_rounds(pol: AdaptiveDraftLength, req: Request, rounds: list[tuple[int, int]]) -> None:
+    """Feed the policy finished rounds of ``req``: (drafts, accepted) each."""
+    pol.draft_lengths([req])  # the policy learns the request's sampling class
+    for num_draft, accepted in rounds:
+        sr = ScheduledRequest(req.request_id, [1], 8, [1], 8, num_draft, True, [0])
+        result = StepResult({req.request_id: RequestStepResult([1] * (accepted + 1), accepted)})
+        pol.observe(SchedulerOutput(requests=[sr]), result, 0.01)
+
+
+def test_a_new_request_starts_at_its_sampling_class_rate():
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, prior_strength=8)
+    greedy = make_request("g", 4, 200)
+    greedy.sampling_params = SamplingParams(temperature=0.0, max_tokens=200)
+    hot = make_request("h", 4, 200)
+    hot.sampling_params = SamplingParams(temperature=1.0, max_tokens=200)
+    observe_rounds(p, greedy, [(4, 4)] * 60)  # greedy requests accept every draft
+    observe_rounds(p, hot, [(4, 0), (4, 1)] * 60)  # sampled ones: alpha 1/3
+    assert p.engine_alpha == pytest.approx(300 / 420)  # the mix's
+    new_greedy = make_request("g2", 4, 200)
+    new_greedy.sampling_params = SamplingParams(temperature=0.0, max_tokens=200)
+    new_hot = make_request("h2", 4, 200)
+    new_hot.sampling_params = SamplingParams(temperature=1.0, max_tokens=200)
+    p.draft_lengths([new_greedy, new_hot])
+    assert p.alpha_of(new_greedy) > 0.9
+    assert p.alpha_of(new_hot) == pytest.approx(1 / 3, abs=0.05)
+    # per class and position, acceptance given the drafts before were accepted, over the
+    # class's alpha: greedy 1 everywhere; sampled, the first draft half the time (0.5 / (1/3))
+    # and the second never; positions no round reached stay 1
+    assert p.position_factors(sampling_class(greedy.sampling_params)) == pytest.approx([1.0] * 4)
+    factors = p.position_factors(sampling_class(hot.sampling_params))
+    assert factors == pytest.approx([1.5, 0.0, 1.0, 1.0])
+
+
+def test_an_unchanged_batch_keeps_its_plan_between_replans():
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
+    calls = []
+    choose = p.choose
+    p.choose = lambda *a, **kw: calls.append(1) or choose(*a, **kw)  # type: ignore[method-assign]
+    reqs = [make_request("a", 4, 50), make_request("b", 4, 50)]
+    for _ in range(8):
+        p.draft_lengths(reqs)
+    assert len(calls) == 8 // p.replan_every
+    p.draft_lengths(reqs[:1])  # another batch: a new plan at once
+    assert len(calls) == 8 // p.replan_every + 1
 
 
 # ---- inside the scheduler, against a simulated worker -----------------------------------------

@@ -50,8 +50,6 @@ def sampling_class(params: SamplingParams) -> SamplingClass:
 class AdaptiveDraftLength:
     """Per-request draft lengths in ``0 .. max_draft_length`` maximising expected tokens/s."""
 
-    lazy_draft = True  # a request that never drafts costs no draft work, its prompt included
-
     def __init__(
         self,
         max_draft_length: int,
@@ -90,6 +88,16 @@ class AdaptiveDraftLength:
         self._last_plan: tuple[tuple[str, ...], StepShape, list[int]] | None = None
         # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
         self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
+
+    @property
+    def lazy_draft(self) -> bool:
+        """Whether the draft sees a request's tokens only in the steps it drafts for it (its
+        prompt included): while the last plan had no drafts, so that a request that never
+        drafts costs no draft work. While the policy drafts, the draft reads prompts in the
+        prefill step, with the target, as under a fixed length: a request's first draft then
+        does not pay for its whole prompt inside a decoding step, which would show in the time
+        per output token."""
+        return self._depth == 0
 
     # ---- estimates ---------------------------------------------------------------------------
     @property
@@ -245,9 +253,10 @@ class AdaptiveDraftLength:
         if s is None or not s.accepted:
             return factors
         a = s.accepted / (s.accepted + s.rejections)
-        for j, (acc, reached) in enumerate(zip(s.accepted_by_position, s.reached_by_position)):
-            if j < len(factors) and reached >= 50:
-                factors[j] = acc / reached / a
+        accepted = s.accepted_by_position  # shorter than reached where none was accepted
+        for j, reached in enumerate(s.reached_by_position[: len(factors)]):
+            if reached >= 50:
+                factors[j] = (accepted[j] if j < len(accepted) else 0) / reached / a
         return factors
 
     def acceptance(self, alphas: Sequence[float], factors: np.ndarray | None = None) -> np.ndarray:

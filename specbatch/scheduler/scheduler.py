@@ -53,6 +53,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_worker: set[str] = set()
         self._forget: list[str] = []
+        self._lazy_draft = False  # the policy's lazy_draft, read at the start of each step
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -91,6 +92,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
+        self._lazy_draft = self.policy.lazy_draft  # read once: the policy's choice may change it
         chosen: list[tuple[Request, int]] = []
         preempted = self._schedule_running(chosen, budget)
         budget -= sum(n for _, n in chosen)
@@ -114,7 +116,7 @@ class Scheduler:
             # prompt chunks unless the policy is lazy; a decoding request that drafts nothing
             # this step lets it lag, so a gamma of 0 costs no draft work at all.
             catch_up = self.speculative and (
-                rid in gammas or (self._prompt_chunk(req, n) and not self.policy.lazy_draft)
+                rid in gammas or (self._prompt_chunk(req, n) and not self._lazy_draft)
             )
             draft_tokens = req.token_slice(req.num_draft_computed, end) if catch_up else []
             out.requests.append(
@@ -165,7 +167,7 @@ class Scheduler:
             num_seqs=len(chosen),
             target_tokens=sum(n for _, n in chosen),
             catchup_tokens=0
-            if self.policy.lazy_draft
+            if self._lazy_draft
             else sum(  # the prompt chunks'; decoding requests' lags come with them
                 r.num_computed + n - r.num_draft_computed
                 for r, n in chosen

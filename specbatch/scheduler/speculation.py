@@ -25,10 +25,14 @@ class StepShape:
 
 class SpeculationPolicy(Protocol):
     max_draft_length: int
-    # lazy: the draft sees a request's tokens only when the request drafts (prompt included),
-    # so a request the policy never drafts for costs no draft work; eager: the draft also
-    # processes every prompt chunk as the target does (a long prompt's draft prefill chunked)
-    lazy_draft: bool
+
+    @property
+    def lazy_draft(self) -> bool:
+        """Lazy: the draft sees a request's tokens only when the request drafts (prompt
+        included), so a request the policy never drafts for costs no draft work; eager: the
+        draft also processes every prompt chunk as the target does (a long prompt's draft
+        prefill chunked). Read at the start of each step."""
+        ...
 
     def draft_lengths(self, requests: list[Request], shape: StepShape | None = None) -> list[int]:
         """The draft length each decoding request would like this step (0 allowed)."""
