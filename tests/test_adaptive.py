@@ -18,7 +18,8 @@ from specbatch import SamplingParams
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.adaptive import AdaptiveDraftLength, sampling_class
+from specbatch.scheduler.acceptance import sampling_class
+from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.output import (
     RequestStepResult,
     ScheduledRequest,
@@ -244,14 +245,14 @@ def test_profile_token_counts_cover_the_range():
 def test_alpha_estimate_starts_at_the_engine_rate_and_moves_to_the_requests():
     p = policy(4, (1.0, 0.0), (0.1, 0.0), prior_alpha=0.5, prior_strength=8)
     req = make_request("r", 4, 10)
-    assert p.alpha_of(req) == pytest.approx(0.5)
+    assert p.estimates.alpha_of(req) == pytest.approx(0.5)
     for _ in range(50):
         req.spec.record(4, 4)  # the request's drafts are always accepted
-    assert p.alpha_of(req) > 0.95
+    assert p.estimates.alpha_of(req) > 0.95
     other = make_request("s", 4, 10)
     for _ in range(30):
         other.spec.record(4, 0)
-    assert p.alpha_of(other) < 0.15
+    assert p.estimates.alpha_of(other) < 0.15
 
 
 def observe_rounds(pol: AdaptiveDraftLength, req: Request, rounds: list[tuple[int, int]]) -> None:
@@ -271,19 +272,20 @@ def test_a_new_request_starts_at_its_sampling_class_rate():
     hot.sampling_params = SamplingParams(temperature=1.0, max_tokens=200)
     observe_rounds(p, greedy, [(4, 4)] * 60)  # greedy requests accept every draft
     observe_rounds(p, hot, [(4, 0), (4, 1)] * 60)  # sampled ones: alpha 1/3
-    assert p.engine_alpha == pytest.approx(300 / 420)  # the mix's
+    assert p.estimates.engine_alpha == pytest.approx(300 / 420)  # the mix's
     new_greedy = make_request("g2", 4, 200)
     new_greedy.sampling_params = SamplingParams(temperature=0.0, max_tokens=200)
     new_hot = make_request("h2", 4, 200)
     new_hot.sampling_params = SamplingParams(temperature=1.0, max_tokens=200)
     p.draft_lengths([new_greedy, new_hot])
-    assert p.alpha_of(new_greedy) > 0.9
-    assert p.alpha_of(new_hot) == pytest.approx(1 / 3, abs=0.05)
+    assert p.estimates.alpha_of(new_greedy) > 0.9
+    assert p.estimates.alpha_of(new_hot) == pytest.approx(1 / 3, abs=0.05)
     # per class and position, acceptance given the drafts before were accepted, over the
     # class's alpha: greedy 1 everywhere; sampled, the first draft half the time (0.5 / (1/3))
     # and the second never; positions no round reached stay 1
-    assert p.position_factors(sampling_class(greedy.sampling_params)) == pytest.approx([1.0] * 4)
-    factors = p.position_factors(sampling_class(hot.sampling_params))
+    est = p.estimates
+    assert est.position_factors(sampling_class(greedy.sampling_params)) == pytest.approx([1.0] * 4)
+    factors = est.position_factors(sampling_class(hot.sampling_params))
     assert factors == pytest.approx([1.5, 0.0, 1.0, 1.0])
 
 
@@ -384,7 +386,7 @@ def test_learns_to_draft_long_when_acceptance_is_high():
     pol, _, history = run(0.9, (0.01, 0.00002), (0.0005, 0.00001), max_tokens=240, num_blocks=1200)
     late = [g for step in history[pol.calibration_steps + 2 :] for g in step]
     assert late and sum(g == 4 for g in late) > 0.8 * len(late)
-    assert pol.engine_alpha == pytest.approx(0.9, abs=0.05)
+    assert pol.estimates.engine_alpha == pytest.approx(0.9, abs=0.05)
     assert set(pol.draft_length_counts) == set(range(5))  # the calibration sweep was granted
 
 

@@ -5,12 +5,9 @@ maximise the batch's expected emitted tokens per second::
 
     sum_i E(alpha_i, gamma_i) / T(plan)
 
-* ``E(a, g) = (1 - a^(g+1)) / (1 - a)`` (THEORY.md), with ``alpha_i`` a Beta-style posterior
-  mean: the request's own accepted / tested drafts plus ``prior_strength`` pseudo-draws at the
-  alpha of its sampling class (requests with the same temperature, top-p and top-k; counted
-  from the rounds this policy observed, leaning on the engine-wide alpha while the class is
-  new). Greedy requests and requests sampled at a high temperature accept drafts at very
-  different rates, so a request starts near its own kind's rate, not the mix's.
+* ``E(a, g) = (1 - a^(g+1)) / (1 - a)`` (THEORY.md), with ``alpha_i`` and the acceptance at
+  each draft position from ``AcceptanceEstimates`` (acceptance.py): the request's own drafts,
+  leaning on those of its sampling class.
 * ``T`` is ``StepCostModel`` (step_cost.py): the forwards the plan would run, as profiled on
   the real models at start-up, corrected per batch size and deepest draft by the observed time
   of every decoding step. The first ``calibration_rounds`` rounds of steps sweep a uniform gamma
@@ -24,27 +21,17 @@ random draws, so the output distribution is untouched (exactness holds for any g
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
-from specbatch.request import Request, SpecStats
-from specbatch.sampling_params import SamplingParams
+from specbatch.request import Request
+from specbatch.scheduler.acceptance import AcceptanceEstimates
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
-
-ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
-CLASS_PRIOR = 20.0  # pseudo-draws at the engine-wide alpha in a sampling class's alpha
-
-SamplingClass = tuple[float, float, int]
-
-
-def sampling_class(params: SamplingParams) -> SamplingClass:
-    """Requests expected to accept drafts alike: temperature and top-p to 0.05, top-k."""
-    return (round(params.temperature * 20) / 20, round(params.top_p * 20) / 20, params.top_k)
 
 
 class AdaptiveDraftLength:
@@ -69,25 +56,19 @@ class AdaptiveDraftLength:
         self.max_draft_length = max_draft_length
         self.kv = kv_cache
         self.cost = cost_model
-        self.prior_alpha = prior_alpha
-        self.prior_strength = prior_strength
+        self.estimates = AcceptanceEstimates(max_draft_length, prior_alpha, prior_strength)
         self.calibration_steps = calibration_rounds * (max_draft_length + 1)
         self.explore_every = explore_every
         self.replan_every = replan_every  # a batch unchanged since the last step keeps its plan
         self.uniform_margin = uniform_margin
         self.switch_margin = switch_margin
         self.profile_seconds = 0.0  # how long the start-up profile of the passes took
-        self.spec = SpecStats()  # every round this policy observed, all requests together
-        self.class_spec: dict[SamplingClass, SpecStats] = {}  # the same, per sampling class
-        self._class_of: dict[str, SamplingClass] = {}  # the running requests' classes
         self.draft_length_counts: Counter[int] = Counter()  # granted gamma per decoding request
         self._decode_steps = 0  # steps with decoding requests that the policy planned
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
         self._last_plan: tuple[tuple[str, ...], StepShape, list[int]] | None = None
-        # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
-        self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
 
     @property
     def lazy_draft(self) -> bool:
@@ -98,57 +79,6 @@ class AdaptiveDraftLength:
         does not pay for its whole prompt inside a decoding step, which would show in the time
         per output token."""
         return self._depth == 0
-
-    # ---- estimates ---------------------------------------------------------------------------
-    @property
-    def engine_alpha(self) -> float:
-        """Engine-wide alpha over the observed rounds, ``prior_alpha`` before any."""
-        a = self.spec.alpha
-        return self.prior_alpha if a is None else a
-
-    def class_alpha(self, key: SamplingClass) -> float:
-        """The alpha of a sampling class: its tested drafts plus ``CLASS_PRIOR`` pseudo-draws at
-        the engine-wide alpha."""
-        s = self.class_spec.get(key) or SpecStats()
-        tested = s.accepted + s.rejections
-        return (s.accepted + CLASS_PRIOR * self.engine_alpha) / (tested + CLASS_PRIOR)
-
-    def alpha_of(self, req: Request) -> float:
-        """Posterior mean: the request's own tested drafts plus pseudo-draws at its class's
-        alpha."""
-        s = req.spec
-        tested = s.accepted + s.rejections
-        prior = self.class_alpha(sampling_class(req.sampling_params))
-        a = (s.accepted + self.prior_strength * prior) / (tested + self.prior_strength)
-        return min(max(a, 0.0), ALPHA_CAP)
-
-    def _learn_prior_strength(self, requests: list[Request]) -> None:
-        """Empirical Bayes: how many pseudo-draws the class alpha is worth in a request's
-        estimate, from how much the alphas of recent requests (the last 256 seen, 10+ tested
-        drafts each) spread around their class's mean beyond what their own sampling noise
-        explains. Requests that draft alike get a strong prior (little noise from a few
-        rounds); requests that differ within their class get a weak one (each request's own
-        rate counts soon). Called every ``explore_every`` steps, off the per-step path."""
-        for r in requests:
-            s = r.spec
-            key = sampling_class(r.sampling_params)
-            self._seen[r.request_id] = (key, s.accepted, s.accepted + s.rejections)
-            self._seen.move_to_end(r.request_id)
-        while len(self._seen) > 256:
-            self._seen.popitem(last=False)
-        rows = [(k, a, t) for k, a, t in self._seen.values() if t >= 10]
-        if len(rows) < 8:
-            return
-        counts = np.array([(a, t) for _, a, t in rows], dtype=float)
-        rates = counts[:, 0] / counts[:, 1]
-        keys = [k for k, _, _ in rows]
-        means = {k: float(np.mean([r for kk, r in zip(keys, rates) if kk == k])) for k in set(keys)}
-        centre = np.array([means[k] for k in keys])
-        noise = float(np.mean(centre * (1 - centre) / counts[:, 1]))
-        spread = max(float(np.mean((rates - centre) ** 2)) - noise, 1e-4)
-        mean = float(rates.mean())
-        strength = mean * (1 - mean) / spread - 1
-        self.prior_strength = float(np.clip(strength, 2.0, 200.0))
 
     def _caps(self, requests: list[Request]) -> list[int]:
         """Per-request gamma caps from max_draft_length and, with the KV manager, free blocks."""
@@ -166,9 +96,7 @@ class AdaptiveDraftLength:
         if not requests:
             return []
         shape = shape or StepShape.decoding(requests)
-        for r in requests:
-            if r.request_id not in self._class_of:
-                self._class_of[r.request_id] = sampling_class(r.sampling_params)
+        self.estimates.register(requests)
         caps = self._caps(requests)
         step = self._decode_steps
         self._decode_steps += 1
@@ -176,7 +104,7 @@ class AdaptiveDraftLength:
             g = step % (self.max_draft_length + 1)
             return self._fit_free_blocks(requests, [min(g, c) for c in caps])
         if step % self.explore_every == 0:
-            self._learn_prior_strength(requests)
+            self.estimates.learn_prior_strength(requests)
         bucket = self.cost.batch_bucket(shape.num_seqs)
         seen = self._steps_by_batch[bucket]
         self._steps_by_batch[bucket] += 1
@@ -201,11 +129,9 @@ class AdaptiveDraftLength:
         self, requests: list[Request], caps: list[int], shape: StepShape, bucket: int, seen: int
     ) -> list[int]:
         """``choose`` on the requests' estimates."""
-        alphas = [self.alpha_of(r) for r in requests]
+        alphas = [self.estimates.alpha_of(r) for r in requests]
         lags = [self._amortised_lag(r) for r in requests]
-        keys = [self._class_of[r.request_id] for r in requests]
-        by_class = {k: self.position_factors(k) for k in set(keys)}
-        factors = np.stack([by_class[k] for k in keys], axis=1)
+        factors = self.estimates.factors_for(requests)
         # the search over per-request plans is most of the policy's time: while it keeps
         # losing to the uniform plans at this batch size, it runs every 8th step only
         search = self._per_request_won.get(bucket, True) or seen % 8 == 0
@@ -242,31 +168,6 @@ class AdaptiveDraftLength:
         picked = set(able[: max(1, len(requests) // 16)])
         return [int(i in picked) for i in range(len(requests))]
 
-    def position_factors(self, key: SamplingClass) -> np.ndarray:
-        """[J]: a class's acceptance at each draft position, given the drafts before it were
-        accepted, over its alpha (1 where fewer than 50 of its rounds reached the position).
-        Later drafts of a round are accepted more often than the first: they follow drafts
-        the target agreed with. Measured per class, as the rounds reaching deep positions
-        are mostly those of the classes that accept most."""
-        factors = np.ones(self.max_draft_length)
-        s = self.class_spec.get(key)
-        if s is None or not s.accepted:
-            return factors
-        a = s.accepted / (s.accepted + s.rejections)
-        accepted = s.accepted_by_position  # shorter than reached where none was accepted
-        for j, reached in enumerate(s.reached_by_position[: len(factors)]):
-            if reached >= 50:
-                factors[j] = (accepted[j] if j < len(accepted) else 0) / reached / a
-        return factors
-
-    def acceptance(self, alphas: Sequence[float], factors: np.ndarray | None = None) -> np.ndarray:
-        """[J, n]: the chance that request i's j-th draft is accepted if the ones before it
-        were: its alpha times its class's ``position_factors`` ([J, n]; 1 when not given)."""
-        a = np.asarray(alphas, dtype=np.float64)[None, :]
-        if factors is None:
-            return np.minimum(np.ones((self.max_draft_length, 1)) * a, ALPHA_CAP)
-        return np.minimum(factors * a, ALPHA_CAP)
-
     def choose(
         self,
         alphas: Sequence[float],
@@ -298,7 +199,8 @@ class AdaptiveDraftLength:
             return [0] * n
         cap = np.asarray(caps)
         lag = np.ones(n) if lags is None else np.asarray(lags, dtype=np.float64)
-        gains = np.cumprod(self.acceptance(alphas, factors)[:g_max], axis=0)  # [J, n], j-major
+        accept = self.estimates.acceptance(alphas, factors)[:g_max]
+        gains = np.cumprod(accept, axis=0)  # [J, n], j-major
 
         def seconds(catchup: np.ndarray, drafts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
             return self.cost.predict(
@@ -368,20 +270,8 @@ class AdaptiveDraftLength:
     # ---- after the step ------------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, step_seconds: float) -> None:
         """Learn from a finished step: acceptance counts, and the step time against the plan."""
-        for rid in plan.finished_request_ids:
-            self._class_of.pop(rid, None)
-        for sr in plan.requests:
-            if not sr.sample:
-                continue
-            self.draft_length_counts[sr.num_draft] += 1
-            r = result.results.get(sr.request_id)
-            if r is not None and sr.num_draft:
-                self.spec.record(sr.num_draft, r.num_accepted)
-                key = self._class_of.get(sr.request_id)
-                if key is not None:
-                    self.class_spec.setdefault(key, SpecStats()).record(
-                        sr.num_draft, r.num_accepted
-                    )
+        self.draft_length_counts.update(sr.num_draft for sr in plan.requests if sr.sample)
+        self.estimates.observe(plan, result)
         if all(sr.sample and len(sr.target_token_ids) == 1 for sr in plan.requests):
             self.cost.observe(
                 num_seqs=len(plan.requests),
