@@ -75,7 +75,8 @@ class AcceptanceEstimates:
         alpha."""
         s = req.spec
         tested = s.accepted + s.rejections
-        prior = self.class_alpha(sampling_class(req.sampling_params))
+        key = self._class_of.get(req.request_id) or sampling_class(req.sampling_params)
+        prior = self.class_alpha(key)
         a = (s.accepted + self.prior_strength * prior) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
@@ -85,10 +86,10 @@ class AcceptanceEstimates:
         drafts each) spread around their class's mean beyond what their own sampling noise
         explains. Requests that draft alike get a strong prior (little noise from a few
         rounds); requests that differ within their class get a weak one (each request's own
-        rate counts soon). Called every ``explore_every`` steps, off the per-step path."""
+        rate counts soon). The policy calls it every few steps, off the per-step path."""
         for r in requests:
             s = r.spec
-            key = sampling_class(r.sampling_params)
+            key = self._class_of.get(r.request_id) or sampling_class(r.sampling_params)
             self._seen[r.request_id] = (key, s.accepted, s.accepted + s.rejections)
             self._seen.move_to_end(r.request_id)
         while len(self._seen) > 256:

@@ -162,9 +162,8 @@ class StepCostModel:
         self.step_noise = step_noise  # spread of one step's log(observed / profiled)
         # [mean, number of steps (at most the memory)], in log(observed / profiled)
         self.level: dict[int, list[float]] = {}  # per batch bucket
-        self.shift: dict[tuple[int, int], list[float]] = {}  # per (batch bucket, depth)
-        self._buckets_at: dict[int, list[int]] = {}  # depth -> buckets with a shift there
-        self._depths_at: dict[int, dict[int, list[float]]] = {}  # bucket -> depth -> shift
+        self.shift: dict[int, dict[int, list[float]]] = {}  # batch bucket -> depth -> shift
+        self._buckets_at: dict[int, list[int]] = {}  # depth -> buckets with a shift there (index)
         self.overall = [0.0, 0.0]  # the level over every batch size
         self._cache: dict[int, np.ndarray] = {}
 
@@ -207,25 +206,26 @@ class StepCostModel:
         this depth at the nearest batch size that ran it, else on this batch size's shifts at
         the depths beside it (interpolated), else on none."""
         prior = 0.0
+        at_bucket = self.shift.get(bucket, {})
         near = [b for b in self._buckets_at.get(depth, ()) if b != bucket]
-        here = sorted((g, v[0]) for g, v in self._depths_at.get(bucket, {}).items() if g != depth)
         if near:
-            prior = self.shift[min(near, key=lambda b: (abs(b - bucket), -b)), depth][0]
-        elif here:
-            prior = float(np.interp(depth, [g for g, _ in here], [v for _, v in here]))
-        own = self.shift.get((bucket, depth))
+            prior = self.shift[min(near, key=lambda b: (abs(b - bucket), -b))][depth][0]
+        else:
+            here = sorted((g, v[0]) for g, v in at_bucket.items() if g != depth)
+            if here:
+                prior = float(np.interp(depth, [g for g, _ in here], [v for _, v in here]))
+        own = at_bucket.get(depth)
         if own is None:
             return prior
         k = self.prior_weight
         return (own[0] * own[1] + prior * k) / (own[1] + k)
 
     def _shift_entry(self, bucket: int, depth: int) -> list[float]:
-        entry = self.shift.get((bucket, depth))
-        if entry is None:
-            entry = self.shift[bucket, depth] = [0.0, 0.0]
+        at_bucket = self.shift.setdefault(bucket, {})
+        if depth not in at_bucket:
+            at_bucket[depth] = [0.0, 0.0]
             self._buckets_at.setdefault(depth, []).append(bucket)
-            self._depths_at.setdefault(bucket, {})[depth] = entry
-        return entry
+        return at_bucket[depth]
 
     def log_ratio(self, num_seqs: int, depth: int) -> float:
         """log(observed / profiled) expected at this batch size and deepest draft position,
@@ -237,7 +237,7 @@ class StepCostModel:
 
     def steps_seen(self, num_seqs: int, depth: int) -> float:
         """How many recent steps the shift at (batch, G) rests on."""
-        own = self.shift.get((self.batch_bucket(num_seqs), depth))
+        own = self.shift.get(self.batch_bucket(num_seqs), {}).get(depth)
         return 0.0 if own is None else own[1]
 
     def predict(
