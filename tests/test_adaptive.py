@@ -18,7 +18,7 @@ from specbatch import SamplingParams
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.acceptance import sampling_class
+from specbatch.scheduler.acceptance import FACTOR_PRIOR, sampling_class
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.output import (
     RequestStepResult,
@@ -281,12 +281,16 @@ def test_a_new_request_starts_at_its_sampling_class_rate():
     assert p.estimates.alpha_of(new_greedy) > 0.9
     assert p.estimates.alpha_of(new_hot) == pytest.approx(1 / 3, abs=0.05)
     # per class and position, acceptance given the drafts before were accepted, over the
-    # class's alpha: greedy 1 everywhere; sampled, the first draft half the time (0.5 / (1/3))
-    # and the second never; positions no round reached stay 1
+    # class's alpha, each with FACTOR_PRIOR pseudo-rounds at factor 1: greedy 1 everywhere;
+    # sampled, the first draft half the time (0.5 / (1/3)) in 120 rounds, the second never in
+    # 60; positions no round reached stay 1
     est = p.estimates
     assert est.position_factors(sampling_class(greedy.sampling_params)) == pytest.approx([1.0] * 4)
     factors = est.position_factors(sampling_class(hot.sampling_params))
-    assert factors == pytest.approx([1.5, 0.0, 1.0, 1.0])
+    m = FACTOR_PRIOR
+    first = (60 + m / 3) / (120 + m) * 3
+    assert factors == pytest.approx([first, (0 + m / 3) / (60 + m) * 3, 1.0, 1.0])
+    assert 1.4 < first < 1.5  # most of the way from 1 to the rounds' 1.5
 
 
 def test_an_unchanged_batch_keeps_its_plan_between_replans():
@@ -295,11 +299,30 @@ def test_an_unchanged_batch_keeps_its_plan_between_replans():
     choose = p.choose
     p.choose = lambda *a, **kw: calls.append(1) or choose(*a, **kw)  # type: ignore[method-assign]
     reqs = [make_request("a", 4, 50), make_request("b", 4, 50)]
-    for _ in range(8):
+    for _ in range(2 * p.replan_every):
         p.draft_lengths(reqs)
-    assert len(calls) == 8 // p.replan_every
-    p.draft_lengths(reqs[:1])  # another batch: a new plan at once
-    assert len(calls) == 8 // p.replan_every + 1
+    assert len(calls) == 2
+    p.draft_lengths(reqs[:1])  # another batch size: a new plan at once
+    assert len(calls) == 3
+
+
+def test_a_uniform_plan_stands_for_another_batch_of_the_same_size_between_replans():
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
+    calls = []
+    choose = p.choose
+    p.choose = lambda *a, **kw: calls.append(1) or choose(*a, **kw)  # type: ignore[method-assign]
+    batch = [make_request("a", 4, 50), make_request("b", 4, 50)]
+    for _ in range(p.replan_every):  # past a new batch size's first steps (they explore)
+        p.draft_lengths(batch)
+    calls.clear()
+    first = p.draft_lengths(batch)  # a replan
+    assert len(set(first)) == 1  # a uniform plan
+    for i in range(p.replan_every - 1):  # a request replaced at every step
+        batch = [batch[1], make_request(f"new{i}", 4, 50)]
+        assert p.draft_lengths(batch) == first
+    assert len(calls) == 1
+    p.draft_lengths(batch)  # the replan
+    assert len(calls) == 2
 
 
 # ---- inside the scheduler, against a simulated worker -----------------------------------------
@@ -420,6 +443,21 @@ def test_explores_one_position_beside_its_choice():
     # free drafts: the choice is the most allowed, and exploring goes one shallower
     pol = policy(4, (1.0, 0.0), (0.0, 0.0), calibration_rounds=0, explore_every=2)
     assert [pol.draft_lengths(reqs) for _ in range(2)] == [[4, 4], [3, 3]]
+
+
+def test_explores_four_times_less_once_the_depths_beside_are_well_measured():
+    pol = policy(4, (1.0, 0.0), (10.0, 0.0), calibration_rounds=0, explore_every=5)
+    reqs = [make_request("a", 4, 50), make_request("b", 4, 50)]
+    for _ in range(8):  # past a new batch size's first steps
+        pol.draft_lengths(reqs)
+    explored = [pol.draft_lengths(reqs) != [0, 0] for _ in range(40)]
+    assert sum(explored) == 8  # every 5th step: depth 1 is measured by no step
+    for _ in range(pol.well_measured):  # depth-1 steps, as profiled
+        pol.cost.observe(
+            num_seqs=2, catchup_tokens=2, target_tokens=2, gammas=[1, 1], step_seconds=11.0
+        )
+    explored = [pol.draft_lengths(reqs) != [0, 0] for _ in range(40)]
+    assert sum(explored) == 2  # every 20th
 
 
 # ---- engine level -------------------------------------------------------------------------------

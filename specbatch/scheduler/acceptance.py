@@ -27,6 +27,7 @@ from specbatch.scheduler.output import SchedulerOutput, StepResult
 
 ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
 CLASS_PRIOR = 20.0  # pseudo-draws at the engine-wide alpha in a sampling class's alpha
+FACTOR_PRIOR = 20.0  # pseudo-rounds at factor 1 in each draft position's factor
 
 SamplingClass = tuple[float, float, int]
 
@@ -110,10 +111,12 @@ class AcceptanceEstimates:
 
     def position_factors(self, key: SamplingClass) -> np.ndarray:
         """[J]: a class's acceptance at each draft position, given the drafts before it were
-        accepted, over its alpha (1 where fewer than 50 of its rounds reached the position).
-        Later drafts of a round are accepted more often than the first: they follow drafts
-        the target agreed with. Measured per class, as the rounds reaching deep positions
-        are mostly those of the classes that accept most."""
+        accepted, over its alpha. Later drafts of a round are accepted more often than the
+        first: they follow drafts the target agreed with. Measured per class, as the rounds
+        reaching deep positions are mostly those of the classes that accept most; each
+        position's rate adds ``FACTOR_PRIOR`` pseudo-rounds at the class's alpha (factor 1), so
+        a position the policy seldom runs moves off 1 as its rounds come in, not all at once
+        after some threshold."""
         factors = np.ones(self.max_draft_length)
         s = self.class_spec.get(key)
         if s is None or not s.accepted:
@@ -121,8 +124,8 @@ class AcceptanceEstimates:
         a = s.accepted / (s.accepted + s.rejections)
         accepted = s.accepted_by_position  # shorter than reached where none was accepted
         for j, reached in enumerate(s.reached_by_position[: len(factors)]):
-            if reached >= 50:
-                factors[j] = (accepted[j] if j < len(accepted) else 0) / reached / a
+            hits = accepted[j] if j < len(accepted) else 0
+            factors[j] = (hits + FACTOR_PRIOR * a) / (reached + FACTOR_PRIOR) / a
         return factors
 
     def acceptance(self, alphas: Sequence[float], factors: np.ndarray | None = None) -> np.ndarray:

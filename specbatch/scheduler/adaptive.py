@@ -23,15 +23,37 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from specbatch.kv_cache.kv_cache_manager import KVCacheManager
+from specbatch.kv_cache.kv_cache_manager import KVCacheManager, blocks_for
 from specbatch.request import Request
 from specbatch.scheduler.acceptance import AcceptanceEstimates
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A plan the policy chose, kept for the steps until its next replan."""
+
+    ids: tuple[str, ...]
+    shape: StepShape
+    bucket: int
+    gammas: list[int]
+    caps: list[int]
+
+    @property
+    def depth(self) -> int:
+        return max(self.gammas, default=0)
+
+    def reusable_depth(self, bucket: int) -> bool:
+        """Whether the plan was uniform (every request its depth, or its cap) at ``bucket``."""
+        return bucket == self.bucket and all(
+            g == min(self.depth, c) for g, c in zip(self.gammas, self.caps)
+        )
 
 
 class AdaptiveDraftLength:
@@ -47,7 +69,8 @@ class AdaptiveDraftLength:
         prior_strength: float = 8.0,
         calibration_rounds: int = 1,
         explore_every: int = 16,
-        replan_every: int = 4,
+        replan_every: int = 8,
+        well_measured: int = 24,
         uniform_margin: float = 0.03,
         switch_margin: float = 0.03,
     ) -> None:
@@ -60,6 +83,7 @@ class AdaptiveDraftLength:
         self.calibration_steps = calibration_rounds * (max_draft_length + 1)
         self.explore_every = explore_every
         self.replan_every = replan_every  # a batch unchanged since the last step keeps its plan
+        self.well_measured = well_measured
         self.uniform_margin = uniform_margin
         self.switch_margin = switch_margin
         self.profile_seconds = 0.0  # how long the start-up profile of the passes took
@@ -68,7 +92,7 @@ class AdaptiveDraftLength:
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
-        self._last_plan: tuple[tuple[str, ...], StepShape, list[int]] | None = None
+        self._last_plan: _Plan | None = None
 
     @property
     def lazy_draft(self) -> bool:
@@ -79,6 +103,15 @@ class AdaptiveDraftLength:
         does not pay for its whole prompt inside a decoding step, which would show in the time
         per output token."""
         return self._depth == 0
+
+    def _kv_binds(self, num_requests: int) -> bool:
+        """Whether free KV blocks may cap some request's drafts: not while every request could
+        take ``max_draft_length`` more slots (at most that many blocks' worth, plus one for a
+        block boundary) from the free ones."""
+        if self.kv is None:
+            return False
+        per_request = blocks_for(self.max_draft_length, self.kv.block_size) + 1
+        return self.kv.num_free_blocks < num_requests * per_request
 
     def _caps(self, requests: list[Request]) -> list[int]:
         """Per-request gamma caps from max_draft_length and, with the KV manager, free blocks."""
@@ -97,12 +130,13 @@ class AdaptiveDraftLength:
             return []
         shape = shape or StepShape.decoding(requests)
         self.estimates.register(requests)
-        caps = self._caps(requests)
+        kv_binds = self._kv_binds(len(requests))
+        caps = self._caps(requests) if kv_binds else [self.max_draft_length] * len(requests)
         step = self._decode_steps
         self._decode_steps += 1
         if step < self.calibration_steps:  # sweep gamma 0..max, uniform over the batch
             g = step % (self.max_draft_length + 1)
-            return self._fit_free_blocks(requests, [min(g, c) for c in caps])
+            return self._fit_free_blocks(requests, [min(g, c) for c in caps], kv_binds)
         if step % self.explore_every == 0:
             self.estimates.learn_prior_strength(requests)
         bucket = self.cost.batch_bucket(shape.num_seqs)
@@ -110,20 +144,22 @@ class AdaptiveDraftLength:
         self._steps_by_batch[bucket] += 1
         ids = tuple(r.request_id for r in requests)
         last = self._last_plan
-        if last is not None and last[:2] == (ids, shape) and seen % self.replan_every:
-            # the same batch in the same shape as the last step: its plan stands (the inputs
-            # of the choice move little in a step, and on a CPU the choice costs a few
-            # percent of a small batch's step)
-            gammas = [min(g, c) for g, c in zip(last[2], caps)]
+        # Between replans (every replan_every-th step at a batch size) the last plan stands:
+        # as it was for the same batch in the same shape, and as its depth for a batch of the
+        # same size when it was uniform (a large batch changes a request or two almost every
+        # step). The inputs of the choice move little in a step, and on a CPU the choice costs
+        # a few percent of a small batch's step.
+        if last is not None and seen % self.replan_every and (last.ids, last.shape) == (ids, shape):
+            gammas = [min(g, c) for g, c in zip(last.gammas, caps)]
+        elif last is not None and seen % self.replan_every and last.reusable_depth(bucket):
+            gammas = [min(last.depth, c) for c in caps]
         else:
             gammas = self._plan(requests, caps, shape, bucket, seen)
-            self._last_plan = (ids, shape, gammas)
+            self._last_plan = _Plan(ids, shape, bucket, gammas, caps)
         self._depth = max(gammas, default=0)
-        # explore every explore_every-th step at a batch size, and every other one of its first
-        # eight: a new batch size has its own costs to learn
-        if seen % self.explore_every == self.explore_every - 1 or (seen < 8 and seen % 2):
+        if self._explores(seen, len(requests)):
             gammas = self._explore(gammas, caps, requests)
-        return self._fit_free_blocks(requests, gammas)
+        return self._fit_free_blocks(requests, gammas, kv_binds)
 
     def _plan(
         self, requests: list[Request], caps: list[int], shape: StepShape, bucket: int, seen: int
@@ -151,6 +187,20 @@ class AdaptiveDraftLength:
         lag = req.num_tokens - req.num_draft_computed
         rounds_left = max(1.0, (req.max_output_tokens - len(req.output_token_ids)) / 2)
         return 1.0 + max(0, lag - 1) / rounds_left
+
+    def _explores(self, seen: int, num_seqs: int) -> bool:
+        """Whether this step explores: every other one of a batch size's first eight (its costs
+        are new), then every ``explore_every``-th while a depth beside the plan's rests on fewer
+        than ``well_measured`` steps, every ``4 * explore_every``-th once both do (a step off
+        the best plan costs throughput; the shifts are contrasts with the level, slow to
+        age)."""
+        if seen < 8:
+            return seen % 2 == 1
+        every = self.explore_every
+        beside = [g for g in (self._depth - 1, self._depth + 1) if 0 <= g <= self.max_draft_length]
+        if min(self.cost.steps_seen(num_seqs, g) for g in beside) >= self.well_measured:
+            every *= 4
+        return seen % every == every - 1
 
     def _explore(self, chosen: list[int], caps: list[int], requests: list[Request]) -> list[int]:
         """A plan one draft position shallower or deeper than the chosen one (the one measured
@@ -250,9 +300,11 @@ class AdaptiveDraftLength:
             previous = float(rate[m])
         return [int(g) for g in best]
 
-    def _fit_free_blocks(self, requests: list[Request], gammas: list[int]) -> list[int]:
+    def _fit_free_blocks(
+        self, requests: list[Request], gammas: list[int], kv_binds: bool = True
+    ) -> list[int]:
         """Shrink the plan, last requests first, so that its new blocks fit in the free ones."""
-        if self.kv is None:
+        if self.kv is None or not kv_binds:
             return gammas
         free = self.kv.num_free_blocks
         out = []

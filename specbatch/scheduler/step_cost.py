@@ -20,6 +20,7 @@ observed time corrects its level where the policy works (``StepCostModel``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,6 +167,7 @@ class StepCostModel:
         self._buckets_at: dict[int, list[int]] = {}  # depth -> buckets with a shift there (index)
         self.overall = [0.0, 0.0]  # the level over every batch size
         self._cache: dict[int, np.ndarray] = {}
+        self._profiled_steps: dict[tuple[int, int, int, tuple[int, ...]], float] = {}
 
     @classmethod
     def from_profile(
@@ -268,6 +270,25 @@ class StepCostModel:
             self._cache[bucket] = cached
         return cached
 
+    def _profiled_step(
+        self, num_seqs: int, catchup_tokens: int, target_tokens: int, gammas: Sequence[int]
+    ) -> float:
+        """The profile's seconds for one step that ran, memoised: a batch's steps repeat a few
+        shapes, and this runs after every step, between the forwards."""
+        key = (num_seqs, catchup_tokens, target_tokens, tuple(sorted(gammas)))
+        seconds = self._profiled_steps.get(key)
+        if seconds is None:
+            depth = max(gammas, default=0)
+            sizes = np.array([[sum(g >= j for g in gammas) for j in range(2, depth + 1)]])
+            drafts = np.array([sum(gammas)])
+            seconds = float(
+                self.profiled(num_seqs, catchup_tokens, target_tokens, drafts, sizes)[0]
+            )
+            if len(self._profiled_steps) >= 4096:
+                self._profiled_steps.clear()
+            self._profiled_steps[key] = seconds
+        return seconds
+
     def observe(
         self,
         num_seqs: int,
@@ -279,13 +300,10 @@ class StepCostModel:
         """Learn from one finished decoding step (no prompt chunks: a prompt token costs less
         than a decoded one, which carries logits) that ran draft lengths ``gammas``."""
         depth = max(gammas, default=0)
-        sizes = np.array([[sum(g >= j for g in gammas) for j in range(2, depth + 1)]])
-        seconds = self.profiled(
-            num_seqs, catchup_tokens, target_tokens, np.array([sum(gammas)]), sizes
-        )
-        if step_seconds <= 0 or seconds[0] <= 0:
+        profiled = self._profiled_step(num_seqs, catchup_tokens, target_tokens, gammas)
+        if step_seconds <= 0 or profiled <= 0:
             return
-        x = float(np.log(step_seconds / seconds[0]))
+        x = math.log(step_seconds / profiled)
         self._cache.clear()
         bucket = self.batch_bucket(num_seqs)
         shift = self._shift(bucket, depth)
