@@ -18,7 +18,7 @@ from specbatch import SamplingParams
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.acceptance import FACTOR_PRIOR, sampling_class
+from specbatch.scheduler.acceptance import sampling_class
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.output import (
     RequestStepResult,
@@ -280,17 +280,42 @@ def test_a_new_request_starts_at_its_sampling_class_rate():
     p.draft_lengths([new_greedy, new_hot])
     assert p.estimates.alpha_of(new_greedy) > 0.9
     assert p.estimates.alpha_of(new_hot) == pytest.approx(1 / 3, abs=0.05)
-    # per class and position, acceptance given the drafts before were accepted, over the
-    # class's alpha, each with FACTOR_PRIOR pseudo-rounds at factor 1: greedy 1 everywhere;
-    # sampled, the first draft half the time (0.5 / (1/3)) in 120 rounds, the second never in
-    # 60; positions no round reached stay 1
-    est = p.estimates
-    assert est.position_factors(sampling_class(greedy.sampling_params)) == pytest.approx([1.0] * 4)
-    factors = est.position_factors(sampling_class(hot.sampling_params))
-    m = FACTOR_PRIOR
-    first = (60 + m / 3) / (120 + m) * 3
-    assert factors == pytest.approx([first, (0 + m / 3) / (60 + m) * 3, 1.0, 1.0])
-    assert 1.4 < first < 1.5  # most of the way from 1 to the rounds' 1.5
+    est = p.estimates  # no position effect in either class: factors stay near 1
+    assert est.position_factors(sampling_class(greedy.sampling_params)) == pytest.approx(
+        [1.0] * 4, abs=0.05
+    )
+
+
+def greedy_requests(n: int, prefix: str) -> list[Request]:
+    reqs = [make_request(f"{prefix}{i}", 4, 400) for i in range(n)]
+    for r in reqs:
+        r.sampling_params = SamplingParams(temperature=0.0, max_tokens=400)
+    return reqs
+
+
+def test_position_factors_do_not_count_easy_requests_twice():
+    # one class, two kinds of request, no position effect: easy ones accept every draft, hard
+    # ones none. Deep positions are reached by easy requests only, where the class's rate is
+    # 1 against a class alpha of 0.8 (1.25); against each round's own alpha, about 1.
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0)
+    for i, r in enumerate(greedy_requests(20, "r")):
+        observe_rounds(p, r, [(4, 4) if i % 2 else (4, 0)] * 20)
+    key = sampling_class(SamplingParams(temperature=0.0))
+    s = p.estimates.class_spec[key]
+    assert s.accepted / (s.accepted + s.rejections) == pytest.approx(0.8)
+    assert p.estimates.position_factors(key)[1:] == pytest.approx([1.0] * 3, abs=0.08)
+
+
+def test_position_factors_find_a_position_effect():
+    # every request: half its rounds reject the first draft, the others accept all four. Its
+    # alpha is 0.8; the first draft is accepted half the time (0.5 / 0.8), later ones always
+    # once reached (1 / 0.8)
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0)
+    for r in greedy_requests(10, "r"):
+        observe_rounds(p, r, [(4, 0), (4, 4)] * 20)
+    factors = p.estimates.position_factors(sampling_class(SamplingParams(temperature=0.0)))
+    assert factors[0] == pytest.approx(0.5 / 0.8, abs=0.06)
+    assert factors[1:] == pytest.approx([1 / 0.8] * 3, abs=0.06)
 
 
 def test_an_unchanged_batch_keeps_its_plan_between_replans():

@@ -9,7 +9,7 @@ round's draft positions, from the rounds the policy observed.
 * ``prior_strength`` is learned by empirical Bayes from how much recent requests' rates
   spread around their class's mean.
 * Position factors, per class: acceptance at draft position j given the drafts before it were
-  accepted, over the class's alpha.
+  accepted, over what the requests' own alphas predicted for those same rounds.
 
 Everything here reads counters of finished rounds only, never a round still to be drawn.
 """
@@ -27,7 +27,7 @@ from specbatch.scheduler.output import SchedulerOutput, StepResult
 
 ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
 CLASS_PRIOR = 20.0  # pseudo-draws at the engine-wide alpha in a sampling class's alpha
-FACTOR_PRIOR = 20.0  # pseudo-rounds at factor 1 in each draft position's factor
+FACTOR_PRIOR = 20.0  # pseudo-acceptances at factor 1 in each draft position's factor
 
 SamplingClass = tuple[float, float, int]
 
@@ -49,6 +49,9 @@ class AcceptanceEstimates:
         self.spec = SpecStats()  # every round observed, all requests together
         self.class_spec: dict[SamplingClass, SpecStats] = {}  # the same, per sampling class
         self._class_of: dict[str, SamplingClass] = {}  # the running requests' classes
+        self._own: dict[str, list[int]] = {}  # the running requests' [accepted, tested] drafts
+        # per class and draft position: [drafts accepted, acceptances the alphas predicted]
+        self._calibration: dict[SamplingClass, list[list[float]]] = {}
         # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
         self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
 
@@ -75,10 +78,12 @@ class AcceptanceEstimates:
         """Posterior mean: the request's own tested drafts plus pseudo-draws at its class's
         alpha."""
         s = req.spec
-        tested = s.accepted + s.rejections
         key = self._class_of.get(req.request_id) or sampling_class(req.sampling_params)
+        return self._posterior(s.accepted, s.accepted + s.rejections, key)
+
+    def _posterior(self, accepted: int, tested: int, key: SamplingClass) -> float:
         prior = self.class_alpha(key)
-        a = (s.accepted + self.prior_strength * prior) / (tested + self.prior_strength)
+        a = (accepted + self.prior_strength * prior) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
     def learn_prior_strength(self, requests: list[Request]) -> None:
@@ -110,22 +115,19 @@ class AcceptanceEstimates:
         self.prior_strength = float(np.clip(strength, 2.0, 200.0))
 
     def position_factors(self, key: SamplingClass) -> np.ndarray:
-        """[J]: a class's acceptance at each draft position, given the drafts before it were
-        accepted, over its alpha. Later drafts of a round are accepted more often than the
-        first: they follow drafts the target agreed with. Measured per class, as the rounds
-        reaching deep positions are mostly those of the classes that accept most; each
-        position's rate adds ``FACTOR_PRIOR`` pseudo-rounds at the class's alpha (factor 1), so
-        a position the policy seldom runs moves off 1 as its rounds come in, not all at once
-        after some threshold."""
+        """[J]: how a class's drafts at each position were accepted, given the drafts before
+        them were, over what the requests' alphas (as estimated before each round) predicted
+        for the same rounds, with ``FACTOR_PRIOR`` pseudo-acceptances at factor 1. Later
+        drafts of a round are accepted more often than the first: they follow drafts the
+        target agreed with. Against each round's own alpha, not the class's: the rounds that
+        reach deep positions are mostly those of the requests that accept most, and a class
+        rate there would count their higher alpha twice."""
         factors = np.ones(self.max_draft_length)
-        s = self.class_spec.get(key)
-        if s is None or not s.accepted:
+        calibration = self._calibration.get(key)
+        if calibration is None:
             return factors
-        a = s.accepted / (s.accepted + s.rejections)
-        accepted = s.accepted_by_position  # shorter than reached where none was accepted
-        for j, reached in enumerate(s.reached_by_position[: len(factors)]):
-            hits = accepted[j] if j < len(accepted) else 0
-            factors[j] = (hits + FACTOR_PRIOR * a) / (reached + FACTOR_PRIOR) / a
+        hits, predicted = (np.asarray(c[: len(factors)]) for c in calibration)
+        factors[: len(hits)] = (hits + FACTOR_PRIOR) / (predicted + FACTOR_PRIOR)
         return factors
 
     def acceptance(self, alphas: Sequence[float], factors: np.ndarray | None = None) -> np.ndarray:
@@ -143,14 +145,29 @@ class AcceptanceEstimates:
         return np.stack([by_class[k] for k in keys], axis=1)
 
     def observe(self, plan: SchedulerOutput, result: StepResult) -> None:
-        """Count a finished step's rounds, engine-wide and per class."""
+        """Count a finished step's rounds: engine-wide, per class, and per class and position
+        against the alpha each request had before its round."""
         for rid in plan.finished_request_ids:
             self._class_of.pop(rid, None)
+            self._own.pop(rid, None)
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
             if not sr.sample or r is None or not sr.num_draft:
                 continue
             self.spec.record(sr.num_draft, r.num_accepted)
             key = self._class_of.get(sr.request_id)
-            if key is not None:
-                self.class_spec.setdefault(key, SpecStats()).record(sr.num_draft, r.num_accepted)
+            if key is None:
+                continue
+            own = self._own.setdefault(sr.request_id, [0, 0])
+            alpha = self._posterior(own[0], own[1], key)
+            tested = min(r.num_accepted + 1, sr.num_draft)
+            hits, predicted = self._calibration.setdefault(key, [[], []])
+            if len(hits) < tested:
+                hits.extend([0.0] * (tested - len(hits)))
+                predicted.extend([0.0] * (tested - len(predicted)))
+            for j in range(tested):
+                hits[j] += j < r.num_accepted
+                predicted[j] += alpha
+            own[0] += r.num_accepted
+            own[1] += tested
+            self.class_spec.setdefault(key, SpecStats()).record(sr.num_draft, r.num_accepted)
