@@ -86,6 +86,8 @@ def test_bench_end_to_end(
         for name in ("wall_s", "output_tok_s", "tpot_mean", "ttft_mean", "e2e_mean", "step_s"):
             assert c[name] > 0, name
         assert c["output_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+        # more requests than the batch: the window before the last admission was measured
+        assert c["full_batch_tok_s"] > 0 and len(c["runs_full_batch_tok_s"]) == 1
         assert c["tpot_p50"] <= c["tpot_p99"]
         assert c["ttft_p50"] <= c["ttft_p99"] and c["e2e_p50"] <= c["e2e_p99"]
         assert c["ttft_mean"] < c["e2e_mean"]
@@ -137,6 +139,10 @@ def test_repeats_report_the_median_run() -> None:
     assert median_cell(runs).output_tok_s == 120.0
     assert median_cell(runs).runs_tok_s == [120.0, 100.0, 140.0]
     assert median_cell(runs[:2]).output_tok_s == 100.0  # even count: the lower one
+    for run, full in zip(runs, (90.0, 150.0, 110.0)):
+        run.full_batch_tok_s = full
+    # the full-batch figure is its own median, not the median run's
+    assert median_cell(runs).full_batch_tok_s == 110.0
 
 
 def _cell(b: int, k: int, tok_s: float, alpha: float | None = None) -> CellResult:

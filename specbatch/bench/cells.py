@@ -63,6 +63,13 @@ class CellResult:
     # THEORY's formula with the measured verify cost in place of 1: E / (g c + verify_ratio)
     predicted_speedup_with_verify: float | None = None
     runs_tok_s: list[float] = field(default_factory=list)  # every repeat's tok/s (--repeats)
+    # tok/s while the engine held all B requests: from the cell's start to the admission of its
+    # last request, before the batch drains (None when every request fit in the first batch).
+    # With equal lengths, k = 0 finishes a whole batch in one step while staggered speculative
+    # requests drain over many thinning steps, which a server under load never does. Over
+    # repeats: the median of the runs' figures.
+    full_batch_tok_s: float | None = None
+    runs_full_batch_tok_s: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +101,7 @@ def run_cell(
         submitted += 1
 
     start = time.perf_counter()
+    full_batch: tuple[float, int] | None = None  # (seconds, tokens) when the last one came in
     try:
         for _ in range(min(batch_size, num_requests)):
             submit()
@@ -106,6 +114,9 @@ def run_cell(
                         on_finished()
                     if submitted < num_requests:
                         submit()
+                        if submitted == num_requests:
+                            elapsed = time.perf_counter() - start
+                            full_batch = (elapsed, engine.metrics.num_generated_tokens)
     except BaseException:
         engine.abort_request(list(live))
         raise
@@ -128,6 +139,7 @@ def run_cell(
         engine_generated_tokens=m.num_generated_tokens,
         steps=m.num_steps,
         output_tok_s=out_tokens / wall if wall > 0 else 0.0,
+        full_batch_tok_s=full_batch[1] / full_batch[0] if full_batch and full_batch[0] else None,
         tpot_mean=_mean(tpots),
         tpot_p50=percentile(tpots, 50),
         tpot_p99=percentile(tpots, 99),
@@ -153,10 +165,13 @@ def run_cell(
 
 def median_cell(runs: list[CellResult]) -> CellResult:
     """The run of median throughput (the lower one of an even count), with every run's
-    throughput in ``runs_tok_s``."""
+    throughput in ``runs_tok_s``; its ``full_batch_tok_s`` is the median of the runs' own."""
     ordered = sorted(runs, key=lambda c: c.output_tok_s)
     cell = ordered[(len(ordered) - 1) // 2]
     cell.runs_tok_s = [c.output_tok_s for c in runs]
+    full = [c.full_batch_tok_s for c in runs if c.full_batch_tok_s is not None]
+    cell.runs_full_batch_tok_s = full
+    cell.full_batch_tok_s = sorted(full)[(len(full) - 1) // 2] if full else None
     return cell
 
 

@@ -21,6 +21,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("k", "draft_length", 1, 0),
     ("reqs", "num_requests", 1, 0),
     ("tok/s", "output_tok_s", 1, 1),
+    ("full tok/s", "full_batch_tok_s", 1, 1),
     ("tpot ms", "tpot_mean", 1e3, 2),
     ("p50", "tpot_p50", 1e3, 2),
     ("p99", "tpot_p99", 1e3, 2),

@@ -169,8 +169,8 @@ class AdaptiveDraftLength:
         lags = [self._amortised_lag(r) for r in requests]
         factors = self.estimates.factors_for(requests)
         # the search over per-request plans is most of the policy's time: while it keeps
-        # losing to the uniform plans at this batch size, it runs every 8th step only
-        search = self._per_request_won.get(bucket, True) or seen % 8 == 0
+        # losing to the uniform plans at this batch size, it runs at the periodic replans only
+        search = self._per_request_won.get(bucket, True) or seen % self.replan_every == 0
         gammas = self.choose(alphas, caps, shape, lags, factors, per_request=search)
         if search:
             deepest = max(gammas, default=0)
