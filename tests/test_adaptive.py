@@ -318,11 +318,17 @@ def test_position_factors_find_a_position_effect():
     assert factors[1:] == pytest.approx([1 / 0.8] * 3, abs=0.06)
 
 
-def test_an_unchanged_batch_keeps_its_plan_between_replans():
-    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
-    calls = []
+def count_choices(p: AdaptiveDraftLength) -> list[int]:
+    """A list that grows by one at every call of ``p.choose`` (a replan)."""
+    calls: list[int] = []
     choose = p.choose
     p.choose = lambda *a, **kw: calls.append(1) or choose(*a, **kw)  # type: ignore[method-assign]
+    return calls
+
+
+def test_an_unchanged_batch_keeps_its_plan_between_replans():
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
+    calls = count_choices(p)
     reqs = [make_request("a", 4, 50), make_request("b", 4, 50)]
     for _ in range(2 * p.replan_every):
         p.draft_lengths(reqs)
@@ -333,9 +339,7 @@ def test_an_unchanged_batch_keeps_its_plan_between_replans():
 
 def test_a_uniform_plan_stands_for_another_batch_of_the_same_size_between_replans():
     p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
-    calls = []
-    choose = p.choose
-    p.choose = lambda *a, **kw: calls.append(1) or choose(*a, **kw)  # type: ignore[method-assign]
+    calls = count_choices(p)
     batch = [make_request("a", 4, 50), make_request("b", 4, 50)]
     for _ in range(p.replan_every):  # past a new batch size's first steps (they explore)
         p.draft_lengths(batch)
