@@ -82,7 +82,7 @@ class AdaptiveDraftLength:
         self.estimates = AcceptanceEstimates(max_draft_length, prior_alpha, prior_strength)
         self.calibration_steps = calibration_rounds * (max_draft_length + 1)
         self.explore_every = explore_every
-        self.replan_every = replan_every  # a batch unchanged since the last step keeps its plan
+        self.replan_every = replan_every  # steps at a batch size between periodic replans
         self.well_measured = well_measured
         self.uniform_margin = uniform_margin
         self.switch_margin = switch_margin
