@@ -43,17 +43,15 @@ class _Plan:
     shape: StepShape
     bucket: int
     gammas: list[int]
-    caps: list[int]
+    uniform_depth: int | None  # G when every request got min(G, its cap), else None
 
-    @property
-    def depth(self) -> int:
-        return max(self.gammas, default=0)
-
-    def reusable_depth(self, bucket: int) -> bool:
-        """Whether the plan was uniform (every request its depth, or its cap) at ``bucket``."""
-        return bucket == self.bucket and all(
-            g == min(self.depth, c) for g, c in zip(self.gammas, self.caps)
-        )
+    @classmethod
+    def of(
+        cls, ids: tuple[str, ...], shape: StepShape, bucket: int, gammas: list[int], caps: list[int]
+    ) -> _Plan:
+        depth = max(gammas, default=0)
+        uniform = all(g == min(depth, c) for g, c in zip(gammas, caps))
+        return cls(ids, shape, bucket, gammas, depth if uniform else None)
 
 
 class AdaptiveDraftLength:
@@ -151,11 +149,16 @@ class AdaptiveDraftLength:
         # a few percent of a small batch's step.
         if last is not None and seen % self.replan_every and (last.ids, last.shape) == (ids, shape):
             gammas = [min(g, c) for g, c in zip(last.gammas, caps)]
-        elif last is not None and seen % self.replan_every and last.reusable_depth(bucket):
-            gammas = [min(last.depth, c) for c in caps]
+        elif (
+            last is not None
+            and seen % self.replan_every
+            and last.bucket == bucket
+            and last.uniform_depth is not None
+        ):
+            gammas = [min(last.uniform_depth, c) for c in caps]
         else:
             gammas = self._plan(requests, caps, shape, bucket, seen)
-            self._last_plan = _Plan(ids, shape, bucket, gammas, caps)
+            self._last_plan = _Plan.of(ids, shape, bucket, gammas, caps)
         self._depth = max(gammas, default=0)
         if self._explores(seen, len(requests)):
             gammas = self._explore(gammas, caps, requests)
