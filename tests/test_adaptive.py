@@ -9,6 +9,7 @@ then the engine-level exactness test with ``auto`` on.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import numpy as np
@@ -203,7 +204,8 @@ def test_step_cost_corrects_the_profile_where_the_steps_run():
         # within half the noise of one step (the level, from the last few steps, cancels)
         want_1 = true_step_seconds(n, [1] * n, truth_t, truth_d, rest)
         assert predicted(n, g) / predicted(n, 1) == pytest.approx(want / want_1, rel=0.015)
-        assert model.steps_seen(n, g) == 40
+        # every step but a batch size's first, which had no other depth to be compared with
+        assert model.steps_seen(n, g) == (39 if g == 0 else 40)
     # a batch size never run borrows the correction of all steps, so it is nearer than the
     # profile alone
     want = true_step_seconds(16, [1] * 16, truth_t, truth_d, rest)
@@ -233,6 +235,37 @@ def test_step_cost_carries_a_slowdown_to_depths_it_does_not_run():
         got = float(model.predict(n, n if g else 0, n, np.array([n * g]), sizes)[0])
         want = true_step_seconds(n, [g] * n, truth_t, truth_d, (0.0, 0.0)) * 1.4
         assert got == pytest.approx(want, rel=0.06), g
+
+
+def test_step_cost_learns_a_depth_it_runs_in_streaks():
+    # the policy keeps a plan for several steps: here depths 1 and 4 in turns of 8 steps at
+    # batch 4, the profile right; batch 8's steps had depth 4 15% cheaper than the profile
+    # says, which batch 4 takes as its prior. Within a few turns batch 4 learns its own
+    # contrast, instead of being held at the prior by steps that compare depth 4 with itself
+    truth_t, truth_d = (0.010, 0.0002), (0.002, 0.00005)
+    rng = random.Random(1)
+    model = synthetic(truth_t, truth_d)
+    model._shift_entry(model.batch_bucket(8), 1)[:] = [0.0, 100.0]
+    model._shift_entry(model.batch_bucket(8), 4)[:] = [math.log(0.85), 100.0]
+    n = 4
+
+    def ratio() -> float:
+        times = []
+        for g in (1, 4):
+            sizes = np.array([[n] * (g - 1)], dtype=float) if g > 1 else np.zeros((1, 0))
+            times.append(float(model.predict(n, n, n, np.array([n * g]), sizes)[0]))
+        return times[1] / times[0]
+
+    def true_seconds(g: int) -> float:
+        return true_step_seconds(n, [g] * n, truth_t, truth_d, (0.0, 0.0))
+
+    want = true_seconds(4) / true_seconds(1)
+    assert ratio() < 0.9 * want
+    for turn in range(12):
+        g = (1, 4)[turn % 2]
+        for _ in range(8):
+            model.observe(n, n, n, [g] * n, true_seconds(g) * math.exp(rng.gauss(0, 0.05)))
+    assert ratio() == pytest.approx(want, rel=0.03)
 
 
 def test_profile_token_counts_cover_the_range():
@@ -481,10 +514,15 @@ def test_explores_four_times_less_once_the_depths_beside_are_well_measured():
         pol.draft_lengths(reqs)
     explored = [pol.draft_lengths(reqs) != [0, 0] for _ in range(40)]
     assert sum(explored) == 8  # every 5th step: depth 1 is measured by no step
-    for _ in range(pol.well_measured):  # depth-1 steps, as profiled
-        pol.cost.observe(
-            num_seqs=2, catchup_tokens=2, target_tokens=2, gammas=[1, 1], step_seconds=11.0
-        )
+    for _ in range(pol.well_measured + 1):  # depth-1 steps in turn with depth-0 ones, as profiled
+        for g, seconds in ((1, 11.0), (0, 1.0)):
+            pol.cost.observe(
+                num_seqs=2,
+                catchup_tokens=2 * g,
+                target_tokens=2,
+                gammas=[g, g],
+                step_seconds=seconds,
+            )
     explored = [pol.draft_lengths(reqs) != [0, 0] for _ in range(40)]
     assert sum(explored) == 2  # every 20th
 

@@ -20,7 +20,10 @@ observed time corrects its level where the policy works (``StepCostModel``).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +108,17 @@ class VerifyTimes:
         return t
 
 
+def _interpolate(x: float, points: list[tuple[int, float]]) -> float:
+    """Piecewise linear through sorted ``points``, constant past either end (``np.interp``
+    in plain Python: it runs after every step)."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
 def isotonic(y: np.ndarray) -> np.ndarray:
     """The non-decreasing sequence closest to ``y`` in least squares (pool adjacent violators):
     a knot slowed by noise is averaged with its neighbours instead of raising all after it."""
@@ -131,9 +145,12 @@ class StepCostModel:
       machine's speed now, and what the profile misses at every depth (inputs built per
       sequence, sampling, scheduling). A machine that slows down slows every depth, the ones
       the policy does not run included.
-    * ``shift`` is how much steps at depth G ran above the level of their time (the last
-      ``memory`` steps there), leaning on what the steps at other batch sizes and depths say
-      while it has few (``_shift``).
+    * ``shift`` is how much steps at depth G ran above the steps at other depths among the
+      last ``level_memory`` at this batch size (the mean of the last ``memory`` such
+      contrasts), leaning on what the steps at other batch sizes and depths say while it has
+      few (``_shift``). A step with no other depth among those teaches the shift nothing: the
+      policy runs a plan for several steps in a row, and measured against a level made of
+      its own depth's steps, a shift would only confirm what it already was, however wrong.
 
     Only the shifts tell one plan from another at a batch size (a level scales every plan
     alike), so the level may follow the last few steps, and the shifts, learned as contrasts
@@ -168,6 +185,8 @@ class StepCostModel:
         self.overall = [0.0, 0.0]  # the level over every batch size
         self._cache: dict[int, np.ndarray] = {}
         self._profiled_steps: dict[tuple[int, int, int, tuple[int, ...]], float] = {}
+        # per batch bucket: the last level_memory steps' (depth, log ratio less its shift)
+        self._recent: dict[int, deque[tuple[int, float]]] = {}
 
     @classmethod
     def from_profile(
@@ -185,8 +204,12 @@ class StepCostModel:
         )
 
     @staticmethod
+    @functools.cache
     def batch_bucket(num_seqs: int) -> int:
-        return round(2 * float(np.log2(max(num_seqs, 1))))
+        """Half-octave buckets of batch sizes. Cached: on the per-step path, where code run
+        between the forwards finds the CPU's caches cold and a NumPy call costs tens of
+        microseconds."""
+        return round(2 * math.log2(max(num_seqs, 1)))
 
     def profiled(
         self,
@@ -215,7 +238,7 @@ class StepCostModel:
         else:
             here = sorted((g, v[0]) for g, v in at_bucket.items() if g != depth)
             if here:
-                prior = float(np.interp(depth, [g for g, _ in here], [v for _, v in here]))
+                prior = _interpolate(depth, here)
         own = at_bucket.get(depth)
         if own is None:
             return prior
@@ -234,7 +257,7 @@ class StepCostModel:
         with the doubt added."""
         bucket = self.batch_bucket(num_seqs)
         level = self.level.get(bucket, self.overall)[0]
-        doubt = self.step_noise / np.sqrt(self.steps_seen(num_seqs, depth) + self.prior_weight)
+        doubt = self.step_noise / math.sqrt(self.steps_seen(num_seqs, depth) + self.prior_weight)
         return level + self._shift(bucket, depth) + doubt
 
     def steps_seen(self, num_seqs: int, depth: int) -> float:
@@ -307,14 +330,18 @@ class StepCostModel:
         self._cache.clear()
         bucket = self.batch_bucket(num_seqs)
         shift = self._shift(bucket, depth)
+        recent = self._recent.get(bucket)
+        if recent is None:
+            recent = self._recent[bucket] = deque(maxlen=self.level_memory)
+        others = [v for g, v in recent if g != depth]
+        updates = [(self.overall, x - shift, self.level_memory)]
         # a new batch size's level starts from that of all steps (before its first step is in)
         start = self.overall[0] if self.overall[1] else x - shift
-        level = self.level.setdefault(bucket, [start, 0.0])
-        before = level[0]
-        for entry, value, memory in (
-            (level, x - shift, self.level_memory),
-            (self.overall, x - shift, self.level_memory),
-            (self._shift_entry(bucket, depth), x - before, self.memory),
-        ):
+        updates.append((self.level.setdefault(bucket, [start, 0.0]), x - shift, self.level_memory))
+        if others:
+            contrast = x - sum(others) / len(others)
+            updates.append((self._shift_entry(bucket, depth), contrast, self.memory))
+        for entry, value, memory in updates:
             entry[1] = min(entry[1] + 1.0, memory)
             entry[0] += (value - entry[0]) / entry[1]
+        recent.append((depth, x - shift))
