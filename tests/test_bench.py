@@ -145,6 +145,43 @@ def test_repeats_report_the_median_run() -> None:
     assert median_cell(runs).full_batch_tok_s == 110.0
 
 
+def test_each_repeat_runs_prompts_of_its_own(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specbatch.bench import offline
+
+    measured: list[tuple[int, int, int, tuple[tuple[int, ...], ...]]] = []
+    run_cell = offline.run_cell
+
+    def recording(engine, workload, batch_size, num_requests, params, **kw):
+        first = kw.get("first_prompt", 0)
+        if num_requests == 3:  # a measured run, not a warm-up
+            prompts = tuple(tuple(workload.prompt(first + i)) for i in range(num_requests))
+            measured.append((batch_size, engine.config.num_speculative_tokens, first, prompts))
+        return run_cell(engine, workload, batch_size, num_requests, params, **kw)
+
+    monkeypatch.setattr(offline, "run_cell", recording)
+    cfg = offline.BenchConfig(
+        model=str(make_checkpoint("llama", num_layers=1, seed=0)),
+        draft_model=str(make_checkpoint("llama", num_layers=1, seed=1)),
+        batch_sizes=[1, 2],
+        draft_lengths=[0, 2],
+        num_requests=3,
+        input_len=4,
+        output_len=3,
+        repeats=2,
+        engine_kwargs={"device": "cpu"},
+    )
+    offline.run_bench(cfg, progress=False)
+    assert len(measured) == 2 * 2 * 2  # batch sizes x repeats x draft lengths
+    for b in (1, 2):
+        runs = [(first, prompts) for bb, _, first, prompts in measured if bb == b]
+        # the draft lengths of a repeat share its prompts; the next repeat takes the next ones
+        assert [first for first, _ in runs] == [4, 4, 7, 7]
+        assert runs[0][1] == runs[1][1] and runs[2][1] == runs[3][1]
+        assert not set(runs[0][1]) & set(runs[2][1])
+
+
 def _cell(b: int, k: int, tok_s: float, alpha: float | None = None) -> CellResult:
     return CellResult(
         batch_size=b,

@@ -10,7 +10,10 @@ engine built with the largest draft length runs every k > 0 cell, its scheduler'
 ``FixedDraftLength(k)`` before the cell. Both stay up for the whole run, and the cells of one
 batch size run back to back (k = 0 first), so speedups compare figures taken side by side.
 Before each cell a warm-up of ``min(B, 4)`` short requests runs, then the engine's counters are
-reset, so warm-up is excluded from every figure.
+reset, so warm-up is excluded from every figure. Each repeat of a cell (``repeats``) runs the
+next ``num_requests`` prompts, the same for every draft length: greedy decoding replays a
+prompt's output exactly, so repeats over the same few prompts would average the machine's noise
+but not the prompts', and at small batch sizes a cell holds only eight.
 
 Per cell, next to the measured figures, THEORY.md's prediction from measured values:
 
@@ -198,7 +201,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             next(iter(engines.values())),
             input_len=cfg.input_len,
             output_len=cfg.output_len,
-            num_prompts=max(64, max(sizes)),
+            # every repeat of a cell runs prompts of its own (see the module's docstring)
+            num_prompts=max(64, WARMUP_REQUESTS + cfg.repeats * max(map(cfg.requests_for, sizes))),
             prompts_file=cfg.prompts_file,
             seed=cfg.seed,
         )
@@ -208,7 +212,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         source = workload.source
         for b in sizes:
             runs: dict[int, list[CellResult]] = {k: [] for k in lengths}
-            for _ in range(cfg.repeats):  # rounds over the draft lengths, interleaved
+            for r in range(cfg.repeats):  # rounds over the draft lengths, interleaved
                 for k in lengths:
                     engine = engines[0 if k == 0 else k_max]
                     if k != 0:
@@ -223,7 +227,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                         cfg.requests_for(b),
                         params,
                         on_finished=bar.update if bar is not None else None,
-                        first_prompt=WARMUP_REQUESTS,
+                        first_prompt=WARMUP_REQUESTS + r * cfg.requests_for(b),
                     )
                     cell.draft_length = k
                     runs[k].append(cell)
