@@ -238,10 +238,12 @@ def test_step_cost_carries_a_slowdown_to_depths_it_does_not_run():
 
 
 def test_step_cost_learns_a_depth_it_runs_in_streaks():
-    # the policy keeps a plan for several steps: here depths 1 and 4 in turns of 8 steps at
+    # the policy keeps a plan for several steps: here depths 1 and 4 in turns of 32 steps at
     # batch 4, the profile right; batch 8's steps had depth 4 15% cheaper than the profile
     # says, which batch 4 takes as its prior. Within a few turns batch 4 learns its own
-    # contrast, instead of being held at the prior by steps that compare depth 4 with itself
+    # contrast, instead of being held near the prior by steps that compare depth 4 with
+    # itself (as a level of the last few steps, whatever their depth, did: 4.7% off here,
+    # against 2.1%)
     truth_t, truth_d = (0.010, 0.0002), (0.002, 0.00005)
     rng = random.Random(1)
     model = synthetic(truth_t, truth_d)
@@ -263,9 +265,9 @@ def test_step_cost_learns_a_depth_it_runs_in_streaks():
     assert ratio() < 0.9 * want
     for turn in range(12):
         g = (1, 4)[turn % 2]
-        for _ in range(8):
+        for _ in range(32):
             model.observe(n, n, n, [g] * n, true_seconds(g) * math.exp(rng.gauss(0, 0.05)))
-    assert ratio() == pytest.approx(want, rel=0.03)
+    assert ratio() == pytest.approx(want, rel=0.025)
 
 
 def test_profile_token_counts_cover_the_range():
