@@ -270,6 +270,18 @@ def test_step_cost_learns_a_depth_it_runs_in_streaks():
     assert ratio() == pytest.approx(want, rel=0.025)
 
 
+def test_a_depth_run_once_at_another_batch_size_sets_no_price_here():
+    # batch 4 has run depths 1-3 at the profile's price; batch 8 ran depth 4 once, a step
+    # held up to twice its time. Batch 4's depth 4 leans on that step as one step, against
+    # its own depths' two: its price is off by the third of a doubling, not by all of it
+    truth_t, truth_d = (0.010, 0.0002), (0.002, 0.00005)
+    model = synthetic(truth_t, truth_d)
+    for g in (1, 2, 3):
+        model._shift_entry(model.batch_bucket(4), g)[:] = [0.0, 50.0]
+    model._shift_entry(model.batch_bucket(8), 4)[:] = [math.log(2.0), 1.0]
+    assert model._shift(model.batch_bucket(4), 4) == pytest.approx(math.log(2.0) / 3)
+
+
 def test_profile_token_counts_cover_the_range():
     counts = profile_token_counts(1280)
     assert counts[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12] and counts[-1] == 1280

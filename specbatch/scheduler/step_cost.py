@@ -227,22 +227,22 @@ class StepCostModel:
         return seconds
 
     def _shift(self, bucket: int, depth: int) -> float:
-        """The shift at (bucket, depth), leaning with ``prior_weight`` steps on the shift at
-        this depth at the nearest batch size that ran it, else on this batch size's shifts at
-        the depths beside it (interpolated), else on none."""
-        prior = 0.0
+        """The shift at (bucket, depth), leaning with ``prior_weight`` steps on a prior: the
+        shift at this depth at the nearest batch size that ran it, itself leaning with
+        ``prior_weight`` steps on this batch size's shifts at the other depths (interpolated;
+        0 without any). So a neighbour's shift counts by the steps it rests on: one step held
+        up on a shared machine does not set the price of a depth at every batch size beside."""
+        k = self.prior_weight
         at_bucket = self.shift.get(bucket, {})
+        here = sorted((g, v[0]) for g, v in at_bucket.items() if g != depth)
+        prior = _interpolate(depth, here) if here else 0.0
         near = [b for b in self._buckets_at.get(depth, ()) if b != bucket]
         if near:
-            prior = self.shift[min(near, key=lambda b: (abs(b - bucket), -b))][depth][0]
-        else:
-            here = sorted((g, v[0]) for g, v in at_bucket.items() if g != depth)
-            if here:
-                prior = _interpolate(depth, here)
+            mean, steps = self.shift[min(near, key=lambda b: (abs(b - bucket), -b))][depth]
+            prior = (mean * steps + prior * k) / (steps + k)
         own = at_bucket.get(depth)
         if own is None:
             return prior
-        k = self.prior_weight
         return (own[0] * own[1] + prior * k) / (own[1] + k)
 
     def _shift_entry(self, bucket: int, depth: int) -> list[float]:
