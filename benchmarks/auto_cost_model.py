@@ -21,40 +21,30 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, format_table, machine_info, write_json
+from common import RESULTS_DIR, WrappedPolicy, format_table, machine_info, write_json
 
 from specbatch.bench.cells import run_cell
 from specbatch.bench.workload import build_workload
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
-from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.output import SchedulerOutput, StepResult
-from specbatch.scheduler.speculation import FixedDraftLength, StepShape
+from specbatch.scheduler.speculation import FixedDraftLength
 
 
-class Timed:
+class Timed(WrappedPolicy):
     """A policy that records the time of every full decoding step of ``batch`` requests."""
 
     def __init__(self, policy: Any, batch: int, log: list[tuple[int, float]]) -> None:
-        self.policy, self.batch, self.log = policy, batch, log
-        self.max_draft_length = policy.max_draft_length
-
-    @property
-    def lazy_draft(self) -> bool:
-        return self.policy.lazy_draft
-
-    def draft_lengths(self, requests: list[Request], shape: StepShape | None = None) -> list[int]:
-        return self.policy.draft_lengths(requests, shape)
+        super().__init__(policy)
+        self.batch, self.log = batch, log
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
         reqs = plan.requests
         if len(reqs) == self.batch and all(r.sample and len(r.target_token_ids) == 1 for r in reqs):
             self.log.append((max(r.num_draft for r in reqs), seconds))
-        observe = getattr(self.policy, "observe", None)
-        if observe is not None:
-            observe(plan, result, seconds)
+        self.learn(plan, result, seconds)
 
 
 def main() -> None:

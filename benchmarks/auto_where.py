@@ -26,16 +26,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, format_table, machine_info, write_json
+from common import RESULTS_DIR, WrappedPolicy, format_table, machine_info, write_json
 
 from specbatch.bench.cells import run_cell
 from specbatch.bench.workload import build_workload
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
-from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import SchedulerOutput, StepResult
-from specbatch.scheduler.speculation import FixedDraftLength, StepShape
+from specbatch.scheduler.speculation import FixedDraftLength
 
 CLASSES = ("full batch", "drain", "prefill")
 
@@ -48,27 +47,18 @@ class Ledger:
         self.outside = 0.0
 
 
-class Recording:
+class Recording(WrappedPolicy):
     """Wraps a policy: after each step, files its forward time and tokens in a ledger."""
 
     def __init__(self, policy: Any, batch: int, forward: dict[str, float]) -> None:
-        self.policy, self.batch, self.forward = policy, batch, forward
-        self.max_draft_length = policy.max_draft_length
+        super().__init__(policy)
+        self.batch, self.forward = batch, forward
         self.ledger = Ledger()
         self.active = False  # off during warm-ups
 
-    @property
-    def lazy_draft(self) -> bool:
-        return self.policy.lazy_draft
-
-    def draft_lengths(self, requests: list[Request], shape: StepShape | None = None) -> list[int]:
-        return self.policy.draft_lengths(requests, shape)
-
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
         started = time.perf_counter()
-        observe = getattr(self.policy, "observe", None)
-        if observe is not None:
-            observe(plan, result, seconds)
+        self.learn(plan, result, seconds)
         if not self.active:
             return
         reqs = plan.requests
