@@ -122,13 +122,15 @@ class AcceptanceEstimates:
         target agreed with. Against each round's own alpha, not the class's: the rounds that
         reach deep positions are mostly those of the requests that accept most, and a class
         rate there would count their higher alpha twice."""
-        factors = np.ones(self.max_draft_length)
-        calibration = self._calibration.get(key)
-        if calibration is None:
-            return factors
-        hits, predicted = (np.asarray(c[: len(factors)]) for c in calibration)
-        factors[: len(hits)] = (hits + FACTOR_PRIOR) / (predicted + FACTOR_PRIOR)
-        return factors
+        return np.array(self._factors(key))
+
+    def _factors(self, key: SamplingClass) -> list[float]:
+        """``position_factors`` as a list (plain Python: it runs at every replan, between the
+        forwards, where each NumPy call finds the CPU's caches cold)."""
+        hits, predicted = self._calibration.get(key, ([], []))
+        j = self.max_draft_length
+        factors = [(h + FACTOR_PRIOR) / (p + FACTOR_PRIOR) for h, p in zip(hits[:j], predicted)]
+        return factors + [1.0] * (j - len(factors))
 
     def acceptance(self, alphas: Sequence[float], factors: np.ndarray | None = None) -> np.ndarray:
         """[J, n]: the chance that request i's j-th draft is accepted if the ones before it
@@ -141,8 +143,8 @@ class AcceptanceEstimates:
     def factors_for(self, requests: list[Request]) -> np.ndarray:
         """[J, n]: the position factors of each (registered) request's class."""
         keys = [self._class_of[r.request_id] for r in requests]
-        by_class = {k: self.position_factors(k) for k in set(keys)}
-        return np.stack([by_class[k] for k in keys], axis=1)
+        by_class = {k: self._factors(k) for k in set(keys)}
+        return np.array([by_class[k] for k in keys]).T
 
     def observe(self, plan: SchedulerOutput, result: StepResult) -> None:
         """Count a finished step's rounds: engine-wide, per class, and per class and position

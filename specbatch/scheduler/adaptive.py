@@ -54,6 +54,23 @@ class _Plan:
         return cls(ids, shape, bucket, gammas, depth if uniform else None)
 
 
+@dataclass(frozen=True)
+class _Plans:
+    """Candidate plans priced together: expected tokens, the draft's catch-up tokens, drafts in
+    all, and requests per draft pass 2.. (``[P, J - 1]``)."""
+
+    tokens: np.ndarray
+    catchup: np.ndarray
+    drafts: np.ndarray
+    sizes: np.ndarray
+
+    @staticmethod
+    def concat(*plans: _Plans) -> _Plans:
+        return _Plans(
+            *(np.concatenate([getattr(p, f) for p in plans]) for f in _Plans.__dataclass_fields__)
+        )
+
+
 class AdaptiveDraftLength:
     """Per-request draft lengths in ``0 .. max_draft_length`` maximising expected tokens/s."""
 
@@ -254,54 +271,80 @@ class AdaptiveDraftLength:
         lag = np.ones(n) if lags is None else np.asarray(lags, dtype=np.float64)
         accept = self.estimates.acceptance(alphas, factors)[:g_max]
         gains = np.cumprod(accept, axis=0)  # [J, n], j-major
-
-        def seconds(catchup: np.ndarray, drafts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-            return self.cost.predict(
-                shape.num_seqs, shape.catchup_tokens + catchup, shape.target_tokens, drafts, sizes
-            )
-
-        # uniform plans [G+1, n]
-        uniform = np.minimum(np.arange(g_max + 1)[:, None], cap[None, :])
+        uniform = np.minimum(np.arange(g_max + 1)[:, None], cap[None, :])  # [G+1, n]
         expected = np.vstack([np.ones(n), 1 + np.cumsum(gains, axis=0)])  # [g, i]: E(tokens)
-        tokens = np.take_along_axis(expected, uniform, axis=0)
-        sizes = (uniform[:, :, None] >= np.arange(2, g_max + 1)[None, None, :]).sum(axis=1)
-        rates = tokens.sum(axis=1) / seconds(
-            (lag[None, :] * (uniform > 0)).sum(axis=1), uniform.sum(axis=1), sizes
+        uniform_plans = _Plans(
+            tokens=np.take_along_axis(expected, uniform, axis=0).sum(axis=1),
+            catchup=(lag[None, :] * (uniform > 0)).sum(axis=1),
+            drafts=uniform.sum(axis=1),
+            sizes=(uniform[:, :, None] >= np.arange(2, g_max + 1)[None, None, :]).sum(axis=1),
         )
-        u = int(np.argmax(rates))
+        search = per_request and n > 1  # one request: the uniform plans are all the plans
+        if search:
+            pos_j, pos_i, tail = self._per_request_plans(gains, cap, lag)
+            plans = _Plans.concat(uniform_plans, tail)
+        else:
+            plans = uniform_plans
+        seconds = self.cost.predict(
+            shape.num_seqs,
+            shape.catchup_tokens + plans.catchup,
+            shape.target_tokens,
+            plans.drafts,
+            plans.sizes,
+        )
+        rates = plans.tokens / seconds
+        u = int(np.argmax(rates[: g_max + 1]))
         # starting or stopping drafting pays a margin, against flapping between the two
         stay = min(self._depth, g_max)
         if (u == 0) != (stay == 0) and rates[u] < rates[stay] * (1 + self.switch_margin):
             u = stay
-        best_rate = float(rates[u]) * (1 + self.uniform_margin)
         best = uniform[u]
-        if n == 1:  # one request: the uniform plans are all the plans
-            return [int(best[0])]
-        if not per_request:
+        if not search:
             return [int(g) for g in best]
-
-        allowed = np.arange(1, g_max + 1)[:, None] <= cap[None, :]  # [J, n]
+        best_rate = float(rates[u]) * (1 + self.uniform_margin)
+        by_depth = rates[g_max + 1 :].reshape(g_max, -1)  # [deepest, prefix]
         previous = 0.0
         for deepest in range(1, g_max + 1):
-            pos_j, pos_i = np.nonzero(allowed[:deepest])
-            gain = gains[pos_j, pos_i]
-            order = np.argsort(-gain, kind="stable")  # ties: shallower drafts first
-            pos_j, pos_i, gain = pos_j[order], pos_i[order], gain[order]
-            k = len(gain)
-            passes = np.zeros((k, deepest - 1))  # requests in draft passes 2..deepest
-            deep = pos_j > 0
-            passes[np.nonzero(deep)[0], pos_j[deep] - 1] = 1.0
-            catchup = np.cumsum(np.where(pos_j == 0, lag[pos_i], 0.0))
-            drafts = np.arange(1, k + 1, dtype=np.float64)
-            rate = (n + np.cumsum(gain)) / seconds(catchup, drafts, np.cumsum(passes, axis=0))
-            m = int(np.argmax(rate))
-            if rate[m] > best_rate * (1 + 1e-9):
-                best_rate = float(rate[m])
-                best = np.bincount(pos_i[: m + 1], minlength=n)
-            elif rate[m] < previous:  # past the best depth: deeper only costs more
+            m = int(np.argmax(by_depth[deepest - 1]))
+            rate = float(by_depth[deepest - 1, m])
+            if rate > best_rate * (1 + 1e-9):
+                best_rate = rate
+                taken = pos_i[: m + 1][pos_j[: m + 1] < deepest]
+                best = np.bincount(taken, minlength=n)
+            elif rate < previous:  # past the best depth: deeper only costs more
                 break
-            previous = float(rate[m])
+            previous = rate
         return [int(g) for g in best]
+
+    @staticmethod
+    def _per_request_plans(
+        gains: np.ndarray, cap: np.ndarray, lag: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, _Plans]:
+        """The per-request plans of ``choose``, for every deepest draft position G at once.
+
+        Every allowed draft (j, i) sorted by decreasing gain (ties: shallower first); for G,
+        the plans are the prefixes of that order restricted to ``j < G`` (a request's drafts
+        come in order of position, as gains fall along a round). A prefix ending at a draft
+        beyond G repeats an earlier plan: its tokens are -inf. Returns the sorted drafts'
+        positions and requests, and the plans ``[G, prefix]`` flattened."""
+        g_max, n = gains.shape
+        pos_j, pos_i = np.nonzero(np.arange(1, g_max + 1)[:, None] <= cap[None, :])
+        gain = gains[pos_j, pos_i]
+        order = np.argsort(-gain, kind="stable")
+        pos_j, pos_i, gain = pos_j[order], pos_i[order], gain[order]
+        within = pos_j[None, :] < np.arange(1, g_max + 1)[:, None]  # [G, K]
+        first = np.where(pos_j == 0, lag[pos_i], 0.0)
+        deeper = pos_j[:, None] == np.arange(1, g_max)[None, :]  # [K, J - 1]: passes 2..
+        tokens = n + np.cumsum(within * gain, axis=1)
+        plans = _Plans(
+            tokens=np.where(within, tokens, -np.inf).ravel(),
+            catchup=np.cumsum(within * first, axis=1).ravel(),
+            drafts=np.cumsum(within, axis=1).ravel(),
+            sizes=np.cumsum(within[:, :, None] & deeper[None], axis=1).reshape(
+                within.size, g_max - 1
+            ),
+        )
+        return pos_j, pos_i, plans
 
     def _fit_free_blocks(
         self, requests: list[Request], gammas: list[int], kv_binds: bool = True

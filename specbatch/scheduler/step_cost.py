@@ -67,10 +67,8 @@ class PassTimes:
 
     def __call__(self, tokens: np.ndarray | float) -> np.ndarray:
         n = np.asarray(tokens)
-        if n.dtype.kind in "iu" or np.all(n == np.round(n)):
-            i = n.astype(np.int64)
-            if i.size == 0 or i.max() < len(self.table):
-                return self.table[i]
+        if n.dtype.kind in "iu" and (n.size == 0 or n.max() < len(self.table)):
+            return self.table[n]
         return self._at(n.astype(np.float64))
 
 
