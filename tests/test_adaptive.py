@@ -541,6 +541,22 @@ def test_explores_four_times_less_once_the_depths_beside_are_well_measured():
     assert sum(explored) == 2  # every 20th
 
 
+def test_explores_plain_decoding_beside_a_deeper_plan_while_it_is_plausible():
+    # a draft pass costs a quarter of a target one and alpha is 0.7 (the prior): the choice is
+    # 2, and a step without drafts is priced at 1 / 1.46 of it, close enough to be measured
+    pol = policy(4, (1.0, 0.0), (0.25, 0.0), calibration_rounds=0, explore_every=4)
+    reqs = [make_request("a", 4, 50), make_request("b", 4, 50)]
+    first = [pol.draft_lengths(reqs) for _ in range(8)]
+    assert first[0::2] == [[2, 2]] * 4
+    assert first[1::2] == [[1, 1]] * 4  # a new batch size: one position beside only
+    later = [pol.draft_lengths(reqs) for _ in range(8)]
+    assert later == ([[2, 2]] * 3 + [[0, 0]]) * 2  # no step without drafts measured yet
+    # cheap drafts: the choice is 4, plain decoding is priced at a third of it, never explored
+    pol = policy(4, (1.0, 0.0), (0.01, 0.0), calibration_rounds=0, explore_every=4)
+    steps = [pol.draft_lengths(reqs) for _ in range(40)]
+    assert {tuple(s) for s in steps} == {(4, 4), (3, 3)}
+
+
 # ---- engine level -------------------------------------------------------------------------------
 def test_engine_args_accept_auto(pair):  # noqa: F811
     llm = engine(pair, "auto", max_draft_length=3)
@@ -575,6 +591,12 @@ def test_profile_times_every_pass_through_the_step_code(pair):  # noqa: F811
     # and the engine runs as before
     out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=6), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
+    # dummy sequences with blocks of their own at spread positions: more of them than the
+    # pool holds share its blocks round the pool
+    small = engine(pair, 2, num_kv_blocks=6, max_model_len=24)
+    profile = small.engine.executor.worker.profile_passes([1, 8], 12, [0, 2], [1, 8])
+    assert all(t > 0 for row in profile["target"] for t in row)
+    assert small.engine.num_free_kv_blocks == small.engine.num_kv_blocks
 
 
 def test_joint_of_first_three_tokens_is_the_targets_with_auto(pair):  # noqa: F811

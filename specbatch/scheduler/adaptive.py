@@ -71,6 +71,9 @@ class _Plans:
         )
 
 
+PLAUSIBLE = 0.5  # explore plans without drafts while priced at this share of the best or more
+
+
 class AdaptiveDraftLength:
     """Per-request draft lengths in ``0 .. max_draft_length`` maximising expected tokens/s."""
 
@@ -108,6 +111,7 @@ class AdaptiveDraftLength:
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
         self._last_plan: _Plan | None = None
+        self._plain_share = 1.0  # the last replan's rate without drafts over its chosen rate
 
     @property
     def lazy_draft(self) -> bool:
@@ -178,7 +182,7 @@ class AdaptiveDraftLength:
             self._last_plan = _Plan.of(ids, shape, bucket, gammas, caps)
         self._depth = max(gammas, default=0)
         if self._explores(seen, len(requests)):
-            gammas = self._explore(gammas, caps, requests)
+            gammas = self._explore(gammas, caps, requests, seen)
         return self._fit_free_blocks(requests, gammas, kv_binds)
 
     def _plan(
@@ -208,29 +212,45 @@ class AdaptiveDraftLength:
         rounds_left = max(1.0, (req.max_output_tokens - len(req.output_token_ids)) / 2)
         return 1.0 + max(0, lag - 1) / rounds_left
 
+    def _beside(self, depth: int, seen: int) -> list[int]:
+        """The depths exploration keeps measured beside a plan of this deepest draft: one
+        shallower, one deeper, and 0. A step without drafts differs in kind from the drafting
+        ones (no draft pass, nothing to verify or roll back), so its price cannot be read off
+        theirs; measured only from plans one position deep, it went unmeasured where the
+        policy drafts two or more, and was priced like a drafting step (at batch 8, 13% too
+        high: the policy drafted where plain decoding was faster). Only while the last replan
+        priced it at ``PLAUSIBLE`` of the chosen plan's rate or more (far below, no error of
+        the profile's makes it the better plan, and a step spent on it is a step lost), and
+        not among a batch size's first eight steps, where the plan is not settled yet."""
+        near = {depth - 1, depth + 1}
+        if seen >= 8 and self._plain_share >= PLAUSIBLE:
+            near.add(0)
+        return sorted(g for g in near - {depth} if 0 <= g <= self.max_draft_length)
+
     def _explores(self, seen: int, num_seqs: int) -> bool:
         """Whether this step explores: every other one of a batch size's first eight (its costs
-        are new), then every ``explore_every``-th while a depth beside the plan's rests on fewer
-        than ``well_measured`` steps, every ``4 * explore_every``-th once both do (a step off
-        the best plan costs throughput; the shifts are contrasts with the level, slow to
-        age)."""
+        are new), then every ``explore_every``-th while a depth beside the plan's
+        (``_beside``) rests on fewer than ``well_measured`` steps, every ``4 * explore_every``-th
+        once all do (a step off the best plan costs throughput; the shifts are contrasts with
+        the level, slow to age)."""
         if seen < 8:
             return seen % 2 == 1
         every = self.explore_every
-        beside = [g for g in (self._depth - 1, self._depth + 1) if 0 <= g <= self.max_draft_length]
+        beside = self._beside(self._depth, seen)
         if min(self.cost.steps_seen(num_seqs, g) for g in beside) >= self.well_measured:
             every *= 4
         return seen % every == every - 1
 
-    def _explore(self, chosen: list[int], caps: list[int], requests: list[Request]) -> list[int]:
-        """A plan one draft position shallower or deeper than the chosen one (the one measured
-        less at this batch size), so the step times beside the policy's choice stay measured:
-        the cost model's correction for a depth the policy never ran would never change. From
-        a plan without drafts, only one request in 16 drafts, those the draft lags least: every
+    def _explore(
+        self, chosen: list[int], caps: list[int], requests: list[Request], seen: int
+    ) -> list[int]:
+        """A plan at a depth beside the chosen one's (``_beside``; the one measured least at
+        this batch size), so the step times beside the policy's choice stay measured: the cost
+        model's correction for a depth the policy never ran would never change. From a plan
+        without drafts, only one request in 16 drafts, those the draft lags least: every
         request drafting would make the draft catch up on all the tokens it skipped at once."""
         deepest = max(chosen)
-        depths = [g for g in (deepest - 1, deepest + 1) if 0 <= g <= self.max_draft_length]
-        g = min(depths, key=lambda d: self.cost.steps_seen(len(requests), d))
+        g = min(self._beside(deepest, seen), key=lambda d: self.cost.steps_seen(len(requests), d))
         if deepest > 0:
             return [min(g, c) for c in caps]
         lag = [r.num_tokens - r.num_draft_computed for r in requests]
@@ -299,6 +319,7 @@ class AdaptiveDraftLength:
         if (u == 0) != (stay == 0) and rates[u] < rates[stay] * (1 + self.switch_margin):
             u = stay
         best = uniform[u]
+        self._plain_share = float(rates[0] / rates[u])
         if not search:
             return [int(g) for g in best]
         best_rate = float(rates[u]) * (1 + self.uniform_margin)
@@ -309,6 +330,7 @@ class AdaptiveDraftLength:
             rate = float(by_depth[deepest - 1, m])
             if rate > best_rate * (1 + 1e-9):
                 best_rate = rate
+                self._plain_share = float(rates[0]) / rate
                 taken = pos_i[: m + 1][pos_j[: m + 1] < deepest]
                 best = np.bincount(taken, minlength=n)
             elif rate < previous:  # past the best depth: deeper only costs more

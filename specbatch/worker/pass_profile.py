@@ -39,13 +39,27 @@ def profile_passes(
     * ``draft_first[i]``: the draft phase of a step at depth 1 whose first pass reads
       ``draft_counts[i]`` tokens (spread over up to ``seq_counts[-1]`` sequences).
 
-    Dummy sequences sit at position ``context_len`` and share the first KV blocks: run before
-    any request holds a block (a request writes its slots before it reads them)."""
+    Dummy sequences sit at positions spread over ``context_len * [1/2, 3/2]``, each with KV
+    blocks of its own (round the pool when it holds fewer), as a running batch's requests do:
+    sequences of one length reading the same blocks made a verify pass look cheaper than in a
+    real step (at batch 8, one draft a sequence: 18% below; without drafts: 4%), and the
+    policy drafted too deep.
+    Run before any request holds a block (a request writes its slots before it reads them)."""
     block_size = worker.config.block_size
     deepest = max(depths)
-    table = list(range((context_len + deepest + 1) // block_size + 1))
+    positions = [context_len * (4 + i % 9) // 8 for i in range(max(seq_counts[-1], 1))]
+    per_seq_blocks = (max(positions) + deepest + 1) // block_size + 1
+    num_blocks = worker.target.kv_caches[0][0].shape[0]
+    tables = [
+        [(i * per_seq_blocks + b) % num_blocks for b in range(per_seq_blocks)]
+        for i in range(max(seq_counts[-1], 1))
+    ]
     ids = [f"__profile_{i}" for i in range(max(seq_counts[-1], 1))]
-    new = [NewRequestData(rid, SamplingParams(), seed=0) for rid in ids]
+    # every other one greedy: a batch's probabilities then cost their softmax and a one-hot
+    new = [
+        NewRequestData(rid, SamplingParams(temperature=float(i % 2)), seed=0)
+        for i, rid in enumerate(ids)
+    ]
 
     def step(num_seqs: int, depth: int, catchup: int = 0) -> dict[str, float]:
         """A step of ``num_seqs`` sequences drafting ``depth`` tokens each, the draft catching up
@@ -56,12 +70,12 @@ def profile_passes(
             ScheduledRequest(
                 request_id=ids[i],
                 target_token_ids=[0],
-                target_start=context_len,
+                target_start=positions[i],
                 draft_token_ids=[0] * per_seq[i] if depth else [],
-                draft_start=context_len + 1 - per_seq[i],
+                draft_start=positions[i] + 1 - per_seq[i],
                 num_draft=depth,
                 sample=True,
-                block_table=table,
+                block_table=tables[i],
             )
             for i in range(num_seqs)
         ]
