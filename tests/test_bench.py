@@ -54,6 +54,8 @@ def bench_run(
         str(INPUT_LEN),
         "--output-len",
         str(OUTPUT_LEN),
+        "--output-len-spread",  # every request exactly OUTPUT_LEN tokens, checked below
+        "0",
         "--temperature",
         "1.0",
         "--device",
@@ -261,6 +263,34 @@ def test_mixed_workload_alternates_easy_and_hard_requests() -> None:
     assert base.params(1, greedy) is greedy
     assert "mixed" in mix.source
     assert mixed(base, None, 1.0).prompt(0) == [5] * 20  # no tokenizer: one id repeated
+
+
+def test_output_lengths_spread_alike_for_every_draft_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from specbatch.bench.workload import Workload, spread_output_lengths
+    from specbatch.entrypoints.bench import config_from
+    from specbatch.entrypoints.cli import build_parser
+    from specbatch.sampling_params import SamplingParams
+
+    base = Workload([[i + 3] * 4 for i in range(200)], 4, 64, "test")
+    spread = spread_output_lengths(base, 0.5, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    lengths = [spread.params(i, params).max_tokens for i in range(200)]
+    assert min(lengths) >= 32 and max(lengths) <= 96
+    assert min(lengths) < 40 and max(lengths) > 88  # uniform over the range, not bunched
+    assert abs(sum(lengths) / len(lengths) - 64) < 4
+    # a function of the prompt's index alone: every draft length's cell gets the same lengths
+    again = spread_output_lengths(base, 0.5, seed=3)
+    assert [again.params(i, params).max_tokens for i in range(200)] == lengths
+    # a shorter request (the warm-up's) is scaled by the same factor
+    short = [spread.params(i, SamplingParams(max_tokens=8)).max_tokens for i in range(200)]
+    assert all(abs(s - n / 8) <= 0.6 for s, n in zip(short, lengths))
+    assert spread_output_lengths(base, 0.0) is base
+    ns = build_parser().parse_args(["bench", "--output-len-spread", "0.25"])
+    assert config_from(ns).output_len_spread == 0.25
+    assert main(["bench", "--output-len-spread", "1", "--no-progress"]) == 2
+    assert "--output-len-spread must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_bench_mixed_flag(capsys: pytest.CaptureFixture[str]) -> None:

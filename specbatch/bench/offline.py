@@ -3,7 +3,8 @@
 *Batch size* B is the number of requests running concurrently: B requests are added, and each
 time one finishes a new one takes its place, until ``num_requests`` have finished (the engine is
 kept full at B, which is what a server under load sees). Every request has the same prompt
-length and generates exactly ``output_len`` tokens (``ignore_eos``).
+length and generates exactly its output length (``ignore_eos``): ``output_len`` on average,
+spread uniformly by ``output_len_spread`` (``spread_output_lengths``; 0: all the same).
 
 Engines: one plain engine (the target alone) runs the draft length 0 cells, and one speculative
 engine built with the largest draft length runs every k > 0 cell, its scheduler's policy set to
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specbatch.bench.cells import CellResult, compare_with_plain, crossover, median_cell, run_cell
-from specbatch.bench.workload import build_workload, mixed
+from specbatch.bench.workload import build_workload, mixed, spread_output_lengths
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
@@ -50,6 +51,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
 DEFAULT_INPUT_LEN = 64
 DEFAULT_OUTPUT_LEN = 64
+DEFAULT_OUTPUT_LEN_SPREAD = 0.5
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 8
 
@@ -76,9 +78,13 @@ def draft_length_label(k: int) -> str:
 
 
 def default_num_requests(batch_size: int) -> int:
-    """Requests measured per cell: enough for the engine to stay full a while, few enough that
-    the default grid finishes in minutes on a CPU."""
-    return max(2 * batch_size, 8)
+    """Requests measured per cell: four batches' worth, so that the engine runs full for most
+    of the cell, and few enough that the default grid finishes in minutes on a CPU. A cell
+    ends in a drain (nothing left to admit, the batch thinning as its last requests finish)
+    that lasts about as long whatever the cell's size: with two batches' worth it was a
+    large part of a small batch's cell, and a cell measured how the last requests
+    finished as much as the batch size's throughput."""
+    return max(4 * batch_size, 16)
 
 
 # ---- the grid ------------------------------------------------------------------------------
@@ -90,6 +96,8 @@ class BenchConfig:
     draft_lengths: list[int] = field(default_factory=lambda: list(DEFAULT_DRAFT_LENGTHS))
     input_len: int = DEFAULT_INPUT_LEN
     output_len: int = DEFAULT_OUTPUT_LEN
+    # each prompt's output length uniform in output_len * [1 - spread, 1 + spread]
+    output_len_spread: float = DEFAULT_OUTPUT_LEN_SPREAD
     num_requests: int | None = None  # per cell; None: default_num_requests(B)
     prompts_file: str | None = None
     temperature: float = 0.0
@@ -110,6 +118,8 @@ class BenchConfig:
             raise bad("draft_lengths", "must be integers >= 0 (or auto)")
         if self.input_len < 1 or self.output_len < 2:
             raise bad("input_len", "must be >= 1 (and output_len >= 2)")
+        if not 0 <= self.output_len_spread < 1:
+            raise bad("output_len_spread", f"must be in [0, 1), got {self.output_len_spread}")
         if self.num_requests is not None and self.num_requests < 1:
             raise bad("num_requests", "must be >= 1")
         if self.repeats < 1:
@@ -122,6 +132,10 @@ class BenchConfig:
         """The speculative engine's draft length: the largest k, else the auto row's default."""
         fixed = max(self.draft_lengths)
         return fixed if fixed > 0 or AUTO not in self.draft_lengths else DEFAULT_MAX_DRAFT_LENGTH
+
+    @property
+    def max_output_len(self) -> int:
+        return math.ceil(self.output_len * (1 + self.output_len_spread))
 
     def requests_for(self, batch_size: int) -> int:
         return self.num_requests or default_num_requests(batch_size)
@@ -155,7 +169,7 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
-    model_len = cfg.input_len + cfg.output_len + cfg.max_draft_length + 2
+    model_len = cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
     args = EngineArgs(
@@ -209,6 +223,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         if cfg.mixed_hard_temperature is not None:
             tokenizer = next(iter(engines.values())).tokenizer
             workload = mixed(workload, tokenizer, cfg.mixed_hard_temperature)
+        workload = spread_output_lengths(workload, cfg.output_len_spread, cfg.seed)
         source = workload.source
         for b in sizes:
             runs: dict[int, list[CellResult]] = {k: [] for k in lengths}

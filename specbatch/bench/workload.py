@@ -20,23 +20,44 @@ TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pai
 
 @dataclass
 class Workload:
-    """Prompts of exactly ``input_len`` token ids; request ``i`` uses ``prompts[i % n]``, and
-    the temperature ``temperatures[i % n]`` when the workload sets one per prompt."""
+    """Prompts of exactly ``input_len`` token ids; request ``i`` uses ``prompts[i % n]``, the
+    temperature ``temperatures[i % n]`` when the workload sets one per prompt, and its
+    ``max_tokens`` scaled by ``length_factors[i % n]`` when it sets those."""
 
     prompts: list[list[int]]
     input_len: int
-    output_len: int
+    output_len: int  # the mean output length
     source: str
     temperatures: list[float] | None = None
+    length_factors: list[float] | None = None
 
     def prompt(self, i: int) -> list[int]:
         return self.prompts[i % len(self.prompts)]
 
     def params(self, i: int, base: SamplingParams) -> SamplingParams:
-        """Request ``i``'s sampling parameters: ``base``, with this prompt's temperature."""
-        if self.temperatures is None:
-            return base
-        return replace(base, temperature=self.temperatures[i % len(self.temperatures)])
+        """Request ``i``'s sampling parameters: ``base``, with this prompt's temperature and
+        length factor."""
+        if self.temperatures is not None:
+            base = replace(base, temperature=self.temperatures[i % len(self.temperatures)])
+        if self.length_factors is not None and base.max_tokens is not None:
+            factor = self.length_factors[i % len(self.length_factors)]
+            base = replace(base, max_tokens=max(1, round(base.max_tokens * factor)))
+        return base
+
+
+def spread_output_lengths(workload: Workload, spread: float, seed: int = 0) -> Workload:
+    """Each prompt's output length drawn uniformly from ``output_len * [1 - spread, 1 +
+    spread]`` (seeded: the same for every draft length of a bench). With every request of one
+    length, plain decoding runs in lockstep: a batch starts together, finishes in one step and
+    is replaced by a batch prefilled in one pass, and a cell never drains. No server sees
+    that; a spread of lengths desynchronises plain decoding as a speculative request's
+    uneven progress does."""
+    if spread == 0:
+        return workload
+    rng = random.Random(seed)
+    factors = [rng.uniform(1 - spread, 1 + spread) for _ in workload.prompts]
+    source = f"{workload.source}; output lengths spread +-{spread:.0%}"
+    return replace(workload, length_factors=factors, source=source)
 
 
 # Repetitive code: a draft model continues these as its target does (alpha near 1 for the

@@ -15,6 +15,7 @@ from specbatch.bench.offline import (
     DEFAULT_DRAFT_LENGTHS,
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
+    DEFAULT_OUTPUT_LEN_SPREAD,
     draft_length_arg,
 )
 
@@ -23,6 +24,7 @@ FIELDS = (
     "draft_lengths",
     "input_len",
     "output_len",
+    "output_len_spread",
     "num_requests",
     "temperature",
     "prompts",
@@ -34,10 +36,11 @@ DESCRIPTION = """\
 Offline load test. For every batch size B (requests running concurrently: the engine is kept
 full at B, a new request taking the place of each finished one) and every draft length k
 (0: plain decoding of the target alone), run --num-requests requests of exactly --input-len
-prompt and --output-len output tokens, after a warm-up that is not counted. Reports per cell
-output tokens/s, time per output token (mean, p50, p99), time to first token, end-to-end
-latency, the measured acceptance rate and alpha, tokens per round, the draft/target cost
-ratio c, and the speedup over k=0 measured next to THEORY.md's prediction from alpha and c.
+prompt tokens and --output-len output tokens on average (spread by --output-len-spread), after
+a warm-up that is not counted. Reports per cell output tokens/s, time per output token (mean,
+p50, p99), time to first token, end-to-end latency, the measured acceptance rate and alpha,
+tokens per round, the draft/target cost ratio c, and the speedup over k=0 measured next to
+THEORY.md's prediction from alpha and c.
 Writes OUT.json, OUT.csv, OUT_throughput_latency.png and OUT_speedup.png.
 
 One plain engine runs the k=0 cells; one speculative engine built with the largest k runs the
@@ -78,14 +81,23 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_OUTPUT_LEN,
         metavar="N",
-        help=f"output tokens per request (default: {DEFAULT_OUTPUT_LEN})",
+        help=f"output tokens per request, on average (default: {DEFAULT_OUTPUT_LEN})",
+    )
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=DEFAULT_OUTPUT_LEN_SPREAD,
+        metavar="S",
+        help="each prompt's output length uniform in --output-len x [1 - S, 1 + S], the same "
+        "for every draft length; 0: all exactly --output-len (default: "
+        f"{DEFAULT_OUTPUT_LEN_SPREAD})",
     )
     p.add_argument(
         "--num-requests",
         type=int,
         default=None,
         metavar="N",
-        help="requests measured per cell (default: max(2 B, 8))",
+        help="requests measured per cell (default: max(4 B, 16))",
     )
     p.add_argument(
         "--prompts",
@@ -162,6 +174,7 @@ def config_from(args: argparse.Namespace) -> Any:
         draft_lengths=list(args.draft_lengths),
         input_len=args.input_len,
         output_len=args.output_len,
+        output_len_spread=args.output_len_spread,
         num_requests=args.num_requests,
         prompts_file=args.prompts,
         temperature=args.temperature,
