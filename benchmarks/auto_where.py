@@ -1,10 +1,10 @@
 """Where ``auto`` spends its time against a fixed draft length, at one batch size.
 
-On the built-in pair (greedy, 64-token prompts and outputs, as ``specbatch bench``): one engine,
-one ``auto`` policy profiled at start-up, and closed-loop cells of ``auto`` and of
-``FixedDraftLength(--fixed)`` in turn, each round on prompts of its own (the same for both).
-Every step is put in one class, and its forward time (the executor's) and emitted tokens are
-summed per class:
+On the built-in pair (greedy, 64-token prompts, outputs of 64 tokens on average spread as in
+``specbatch bench``): one engine, one ``auto`` policy profiled at start-up, and closed-loop
+cells of ``auto`` and of ``FixedDraftLength(--fixed)`` in turn, each round on prompts of its
+own (the same for both). Every step is put in one class, and its forward time (the
+executor's) and emitted tokens are summed per class:
 
 * ``full batch``: every one of the batch's requests decoding;
 * ``drain``: decoding steps with fewer requests, once no request is left to admit;
@@ -19,6 +19,7 @@ after the step, bookkeeping), from the engine's step time.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import defaultdict
@@ -29,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, WrappedPolicy, format_table, machine_info, write_json
 
 from specbatch.bench.cells import run_cell
-from specbatch.bench.workload import build_workload
+from specbatch.bench.offline import DEFAULT_OUTPUT_LEN_SPREAD, default_num_requests
+from specbatch.bench.workload import build_workload, spread_output_lengths
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.sampling_params import SamplingParams
@@ -80,13 +82,17 @@ def main() -> None:
     p.add_argument("--fixed", type=int, default=1, help="the fixed draft length to set beside")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--max-draft-length", type=int, default=8)
+    p.add_argument("--output-len-spread", type=float, default=DEFAULT_OUTPUT_LEN_SPREAD)
     p.add_argument("--out", default=str(RESULTS_DIR / "auto_where.json"))
     args = p.parse_args()
     b, k_max = args.batch_size, args.max_draft_length
-    num_requests = max(2 * b, 8)  # as specbatch bench
+    num_requests = default_num_requests(b)  # as specbatch bench
+    longest = math.ceil(64 * (1 + args.output_len_spread))
     engine = LLMEngine.from_engine_args(
         EngineArgs(
-            num_speculative_tokens=k_max, max_model_len=64 + 64 + k_max + 2, max_num_seqs=max(64, b)
+            num_speculative_tokens=k_max,
+            max_model_len=64 + longest + k_max + 2,
+            max_num_seqs=max(64, b),
         )
     )
     forward = {"seconds": 0.0}
@@ -106,6 +112,7 @@ def main() -> None:
     workload = build_workload(
         engine, input_len=64, output_len=64, num_prompts=4 + args.rounds * num_requests
     )
+    workload = spread_output_lengths(workload, args.output_len_spread)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     wall: dict[str, float] = defaultdict(float)

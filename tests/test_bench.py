@@ -145,6 +145,13 @@ def test_repeats_report_the_median_run() -> None:
         run.full_batch_tok_s = full
     # the full-batch figure is its own median, not the median run's
     assert median_cell(runs).full_batch_tok_s == 110.0
+    # latencies are over every run's requests: the repeats ran different prompts
+    for run, tpots in zip(runs, ([0.010, 0.012], [0.020], [0.030, 0.040, 0.050])):
+        run.latencies = {"tpot": tpots, "ttft": [0.1] * len(tpots)}
+    cell = median_cell(runs)
+    assert cell.tpot_mean == pytest.approx(0.162 / 6)
+    assert cell.tpot_p99 == pytest.approx(0.0495) and cell.ttft_mean == pytest.approx(0.1)
+    assert cell.e2e_mean is None and "latencies" not in cell.to_dict()
 
 
 def test_each_repeat_runs_prompts_of_its_own(

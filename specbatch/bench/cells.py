@@ -70,9 +70,29 @@ class CellResult:
     # repeats: the median of the runs' figures.
     full_batch_tok_s: float | None = None
     runs_full_batch_tok_s: list[float] = field(default_factory=list)
+    # every finished request's seconds per latency ("tpot", "ttft", "e2e"); not written out
+    latencies: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        del d["latencies"]
+        return d
+
+
+LATENCIES = ("tpot", "ttft", "e2e")
+
+
+def _latency_figures(latencies: dict[str, list[float]]) -> dict[str, float | None]:
+    """Mean, p50 and p99 of each latency: ``tpot_mean``, ``tpot_p50``, ... ``e2e_p99``."""
+    figures: dict[str, float | None] = {}
+    for name in LATENCIES:
+        xs = latencies.get(name, [])
+        figures |= {
+            f"{name}_mean": _mean(xs),
+            f"{name}_p50": percentile(xs, 50),
+            f"{name}_p99": percentile(xs, 99),
+        }
+    return figures
 
 
 def run_cell(
@@ -123,9 +143,11 @@ def run_cell(
     wall = time.perf_counter() - start
     m = engine.metrics
     s = m.spec
-    tpots = [t for o in finished if (t := o.metrics.time_per_output_token) is not None]
-    ttfts = [t for o in finished if (t := o.metrics.time_to_first_token) is not None]
-    e2es = [t for o in finished if (t := o.metrics.e2e_latency) is not None]
+    latencies = {
+        "tpot": [t for o in finished if (t := o.metrics.time_per_output_token) is not None],
+        "ttft": [t for o in finished if (t := o.metrics.time_to_first_token) is not None],
+        "e2e": [t for o in finished if (t := o.metrics.e2e_latency) is not None],
+    }
     out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
     steps = max(m.num_steps, 1)
     return CellResult(
@@ -140,15 +162,8 @@ def run_cell(
         steps=m.num_steps,
         output_tok_s=out_tokens / wall if wall > 0 else 0.0,
         full_batch_tok_s=full_batch[1] / full_batch[0] if full_batch and full_batch[0] else None,
-        tpot_mean=_mean(tpots),
-        tpot_p50=percentile(tpots, 50),
-        tpot_p99=percentile(tpots, 99),
-        ttft_mean=_mean(ttfts),
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p99=percentile(ttfts, 99),
-        e2e_mean=_mean(e2es),
-        e2e_p50=percentile(e2es, 50),
-        e2e_p99=percentile(e2es, 99),
+        **_latency_figures(latencies),  # type: ignore[arg-type]
+        latencies=latencies,
         step_s=m.step_time_total / steps,
         target_s_per_step=m.target_time_total / steps,
         draft_s_per_step=m.draft_time_total / steps,
@@ -165,10 +180,17 @@ def run_cell(
 
 def median_cell(runs: list[CellResult]) -> CellResult:
     """The run of median throughput (the lower one of an even count), with every run's
-    throughput in ``runs_tok_s``; its ``full_batch_tok_s`` is the median of the runs' own."""
+    throughput in ``runs_tok_s``; its ``full_batch_tok_s`` is the median of the runs' own, and
+    its latencies (TPOT, TTFT, end-to-end) are over the requests of all the runs. Each repeat
+    runs prompts of its own with output lengths of their own, the same for every draft length:
+    the median runs of two draft lengths may be different repeats, and a latency of one
+    repeat's requests set beside another's would compare prompts as much as draft lengths."""
     ordered = sorted(runs, key=lambda c: c.output_tok_s)
     cell = ordered[(len(ordered) - 1) // 2]
     cell.runs_tok_s = [c.output_tok_s for c in runs]
+    cell.latencies = {n: [x for c in runs for x in c.latencies.get(n, [])] for n in LATENCIES}
+    for name, value in _latency_figures(cell.latencies).items():
+        setattr(cell, name, value)
     full = [c.full_batch_tok_s for c in runs if c.full_batch_tok_s is not None]
     cell.runs_full_batch_tok_s = full
     cell.full_batch_tok_s = sorted(full)[(len(full) - 1) // 2] if full else None
