@@ -401,6 +401,25 @@ def test_a_uniform_plan_stands_for_another_batch_of_the_same_size_between_replan
     assert len(calls) == 2
 
 
+def test_a_batch_size_keeps_its_plan_while_the_batch_goes_thinner_and_back():
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
+    calls = count_choices(p)
+    four = [make_request(str(i), 4, 50) for i in range(4)]
+    for batch in (four, four[:3]):  # past both batch sizes' first steps
+        for _ in range(p.replan_every):
+            p.draft_lengths(batch)
+    calls.clear()
+    for _ in range(3):  # a request finishes, and the next one takes its place
+        p.draft_lengths(four[:3])
+        p.draft_lengths(four)
+    assert len(calls) == 2  # each batch size's periodic replan, none for coming back
+    for _ in range(2 * p.replan_every):  # a plan stands for twice replan_every steps at most
+        p.draft_lengths(four)
+    calls.clear()
+    p.draft_lengths(four[:3])
+    assert len(calls) == 1
+
+
 # ---- inside the scheduler, against a simulated worker -----------------------------------------
 def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
     return Request(

@@ -41,17 +41,17 @@ class _Plan:
 
     ids: tuple[str, ...]
     shape: StepShape
-    bucket: int
+    step: int  # the policy's decoding step it was made at
     gammas: list[int]
     uniform_depth: int | None  # G when every request got min(G, its cap), else None
 
     @classmethod
     def of(
-        cls, ids: tuple[str, ...], shape: StepShape, bucket: int, gammas: list[int], caps: list[int]
+        cls, ids: tuple[str, ...], shape: StepShape, step: int, gammas: list[int], caps: list[int]
     ) -> _Plan:
         depth = max(gammas, default=0)
         uniform = all(g == min(depth, c) for g, c in zip(gammas, caps))
-        return cls(ids, shape, bucket, gammas, depth if uniform else None)
+        return cls(ids, shape, step, gammas, depth if uniform else None)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class AdaptiveDraftLength:
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
-        self._last_plan: _Plan | None = None
+        self._plans: dict[int, _Plan] = {}  # per batch-size bucket: the last plan chosen there
         self._plain_share = 1.0  # the last replan's rate without drafts over its chosen rate
 
     @property
@@ -162,24 +162,26 @@ class AdaptiveDraftLength:
         seen = self._steps_by_batch[bucket]
         self._steps_by_batch[bucket] += 1
         ids = tuple(r.request_id for r in requests)
-        last = self._last_plan
-        # Between replans (every replan_every-th step at a batch size) the last plan stands:
-        # as it was for the same batch in the same shape, and as its depth for a batch of the
-        # same size when it was uniform (a large batch changes a request or two almost every
-        # step). The inputs of the choice move little in a step, and on a CPU the choice costs
-        # a few percent of a small batch's step.
-        if last is not None and seen % self.replan_every and (last.ids, last.shape) == (ids, shape):
-            gammas = [min(g, c) for g, c in zip(last.gammas, caps)]
-        elif (
+        last = self._plans.get(bucket)
+        # Between replans (every replan_every-th step at a batch size) the last plan chosen at
+        # this batch size stands, if no older than twice that many steps: as it was for the
+        # same batch in the same shape, and as its depth for a batch of the same size when it
+        # was uniform (a large batch changes a request or two almost every step; a small one
+        # goes one request thinner and back with every request that finishes). The inputs of
+        # the choice move little in a few steps, and on a CPU the choice costs a few percent of
+        # a small batch's step.
+        stands = (
             last is not None
-            and seen % self.replan_every
-            and last.bucket == bucket
-            and last.uniform_depth is not None
-        ):
+            and seen % self.replan_every != 0
+            and step - last.step < 2 * self.replan_every
+        )
+        if stands and last is not None and (last.ids, last.shape) == (ids, shape):
+            gammas = [min(g, c) for g, c in zip(last.gammas, caps)]
+        elif stands and last is not None and last.uniform_depth is not None:
             gammas = [min(last.uniform_depth, c) for c in caps]
         else:
             gammas = self._plan(requests, caps, shape, bucket, seen)
-            self._last_plan = _Plan.of(ids, shape, bucket, gammas, caps)
+            self._plans[bucket] = _Plan.of(ids, shape, step, gammas, caps)
         self._depth = max(gammas, default=0)
         if self._explores(seen, len(requests)):
             gammas = self._explore(gammas, caps, requests, seen)
