@@ -30,6 +30,7 @@ import numpy as np
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager, blocks_for
 from specbatch.request import Request
 from specbatch.scheduler.acceptance import AcceptanceEstimates
+from specbatch.scheduler.candidate_plans import CandidatePlans, per_request_plans, uniform_plans
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
@@ -52,23 +53,6 @@ class _Plan:
         depth = max(gammas, default=0)
         uniform = all(g == min(depth, c) for g, c in zip(gammas, caps))
         return cls(ids, shape, step, gammas, depth if uniform else None)
-
-
-@dataclass(frozen=True)
-class _Plans:
-    """Candidate plans priced together: expected tokens, the draft's catch-up tokens, drafts in
-    all, and requests per draft pass 2.. (``[P, J - 1]``)."""
-
-    tokens: np.ndarray
-    catchup: np.ndarray
-    drafts: np.ndarray
-    sizes: np.ndarray
-
-    @staticmethod
-    def concat(*plans: _Plans) -> _Plans:
-        return _Plans(
-            *(np.concatenate([getattr(p, f) for p in plans]) for f in _Plans.__dataclass_fields__)
-        )
 
 
 PLAUSIBLE = 0.5  # explore plans without drafts while priced at this share of the best or more
@@ -271,18 +255,19 @@ class AdaptiveDraftLength:
     ) -> list[int]:
         """Gammas maximising ``sum E(alpha_i, g_i) / T`` over ``g_i <= caps[i]``.
 
-        Two families of plans are priced by the cost model: the uniform ones (every request
-        ``min(G, cap)``, G = 0 .. max) and per-request ones. The j-th draft of request i adds
-        the chance that it and every draft before it are accepted (``acceptance``), decreasing
-        in j (THEORY.md's ``alpha_i^j`` when acceptance is the same at every position); its
-        first also makes the draft catch up on the request's ``lags[i]`` unseen tokens (1 when
-        not given). For each deepest draft position G (upwards, until the best rate falls),
-        the candidate drafts (j <= G) are taken by decreasing gain, and every prefix of that
-        order is a plan. A per-request plan must beat the best uniform one by
-        ``uniform_margin``: the estimates it leans on are noisy, and uneven progress leaves the
-        slow requests to finish in a thinner batch. Drafting after a plan without drafts, or
-        not after one with, must beat the last plan's depth by
-        ``switch_margin``: flapping between the two makes the draft catch up in bursts.
+        Two families of plans (candidate_plans.py) are priced by the cost model in one call:
+        the uniform ones (every request ``min(G, cap)``, G = 0 .. max) and per-request ones.
+        The j-th draft of request i adds the chance that it and every draft before it are
+        accepted (``acceptance``), decreasing in j (THEORY.md's ``alpha_i^j`` when acceptance
+        is the same at every position); its first also makes the draft catch up on the
+        request's ``lags[i]`` unseen tokens (1 when not given). For each deepest draft
+        position G (upwards, until the best rate falls), the candidate drafts (j <= G) are
+        taken by decreasing gain, and every prefix of that order is a plan. A per-request plan
+        must beat the best uniform one by ``uniform_margin``: the estimates it leans on are
+        noisy, and uneven progress leaves the slow requests to finish in a thinner batch.
+        Drafting after a plan without drafts, or not after one with, must beat the last plan's
+        depth by ``switch_margin``: flapping between the two makes the draft catch up in
+        bursts.
         ``per_request=False`` prices the uniform plans only.
         """
         n = len(alphas)
@@ -293,20 +278,11 @@ class AdaptiveDraftLength:
         lag = np.ones(n) if lags is None else np.asarray(lags, dtype=np.float64)
         accept = self.estimates.acceptance(alphas, factors)[:g_max]
         gains = np.cumprod(accept, axis=0)  # [J, n], j-major
-        uniform = np.minimum(np.arange(g_max + 1)[:, None], cap[None, :])  # [G+1, n]
-        expected = np.vstack([np.ones(n), 1 + np.cumsum(gains, axis=0)])  # [g, i]: E(tokens)
-        uniform_plans = _Plans(
-            tokens=np.take_along_axis(expected, uniform, axis=0).sum(axis=1),
-            catchup=(lag[None, :] * (uniform > 0)).sum(axis=1),
-            drafts=uniform.sum(axis=1),
-            sizes=(uniform[:, :, None] >= np.arange(2, g_max + 1)[None, None, :]).sum(axis=1),
-        )
+        uniform, plans = uniform_plans(gains, cap, lag)
         search = per_request and n > 1  # one request: the uniform plans are all the plans
         if search:
-            pos_j, pos_i, tail = self._per_request_plans(gains, cap, lag)
-            plans = _Plans.concat(uniform_plans, tail)
-        else:
-            plans = uniform_plans
+            tail = per_request_plans(gains, cap, lag)
+            plans = CandidatePlans.concat(plans, tail.plans)
         seconds = self.cost.predict(
             shape.num_seqs,
             shape.catchup_tokens + plans.catchup,
@@ -333,42 +309,11 @@ class AdaptiveDraftLength:
             if rate > best_rate * (1 + 1e-9):
                 best_rate = rate
                 self._plain_share = float(rates[0]) / rate
-                taken = pos_i[: m + 1][pos_j[: m + 1] < deepest]
-                best = np.bincount(taken, minlength=n)
+                best = tail.gammas(deepest, m, n)
             elif rate < previous:  # past the best depth: deeper only costs more
                 break
             previous = rate
         return [int(g) for g in best]
-
-    @staticmethod
-    def _per_request_plans(
-        gains: np.ndarray, cap: np.ndarray, lag: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, _Plans]:
-        """The per-request plans of ``choose``, for every deepest draft position G at once.
-
-        Every allowed draft (j, i) sorted by decreasing gain (ties: shallower first); for G,
-        the plans are the prefixes of that order restricted to ``j < G`` (a request's drafts
-        come in order of position, as gains fall along a round). A prefix ending at a draft
-        beyond G repeats an earlier plan: its tokens are -inf. Returns the sorted drafts'
-        positions and requests, and the plans ``[G, prefix]`` flattened."""
-        g_max, n = gains.shape
-        pos_j, pos_i = np.nonzero(np.arange(1, g_max + 1)[:, None] <= cap[None, :])
-        gain = gains[pos_j, pos_i]
-        order = np.argsort(-gain, kind="stable")
-        pos_j, pos_i, gain = pos_j[order], pos_i[order], gain[order]
-        within = pos_j[None, :] < np.arange(1, g_max + 1)[:, None]  # [G, K]
-        first = np.where(pos_j == 0, lag[pos_i], 0.0)
-        deeper = pos_j[:, None] == np.arange(1, g_max)[None, :]  # [K, J - 1]: passes 2..
-        tokens = n + np.cumsum(within * gain, axis=1)
-        plans = _Plans(
-            tokens=np.where(within, tokens, -np.inf).ravel(),
-            catchup=np.cumsum(within * first, axis=1).ravel(),
-            drafts=np.cumsum(within, axis=1).ravel(),
-            sizes=np.cumsum(within[:, :, None] & deeper[None], axis=1).reshape(
-                within.size, g_max - 1
-            ),
-        )
-        return pos_j, pos_i, plans
 
     def _fit_free_blocks(
         self, requests: list[Request], gammas: list[int], kv_binds: bool = True
