@@ -19,12 +19,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, WrappedPolicy, format_table, machine_info, write_json
+from common import (
+    RESULTS_DIR,
+    WrappedPolicy,
+    builtin_engine,
+    format_table,
+    machine_info,
+    write_json,
+)
 
 from specbatch.bench.cells import run_cell
 from specbatch.bench.workload import build_workload
-from specbatch.config import EngineArgs
-from specbatch.engine.llm_engine import LLMEngine
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import FixedDraftLength
@@ -61,13 +66,7 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS_DIR / "acceptance_by_position.json"))
     args = p.parse_args()
     k, b = args.draft_length, args.batch_size
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            num_speculative_tokens=k,
-            max_model_len=PROMPT_LEN + args.output_len + k + 2,
-            max_num_seqs=b,
-        )
-    )
+    engine = builtin_engine(k, PROMPT_LEN, args.output_len, max_num_seqs=b)
     log = RoundLog(FixedDraftLength(k))
     engine.scheduler.policy = log
     workload = build_workload(

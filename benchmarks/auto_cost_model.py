@@ -21,12 +21,17 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, WrappedPolicy, format_table, machine_info, write_json
+from common import (
+    RESULTS_DIR,
+    WrappedPolicy,
+    builtin_engine,
+    format_table,
+    machine_info,
+    write_json,
+)
 
 from specbatch.bench.cells import run_cell
 from specbatch.bench.workload import build_workload
-from specbatch.config import EngineArgs
-from specbatch.engine.llm_engine import LLMEngine
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
 from specbatch.scheduler.output import SchedulerOutput, StepResult
@@ -56,11 +61,7 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS_DIR / "auto_cost_model.json"))
     args = p.parse_args()
     b, k_max = args.batch_size, args.max_draft_length
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            num_speculative_tokens=k_max, max_model_len=64 + 64 + k_max + 2, max_num_seqs=max(64, b)
-        )
-    )
+    engine = builtin_engine(k_max, 64, 64, max_num_seqs=max(64, b))
     auto: AdaptiveDraftLength = engine.adaptive_policy(k_max)
     workload = build_workload(engine, input_len=64, output_len=64, num_prompts=64)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -27,13 +27,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, WrappedPolicy, format_table, machine_info, write_json
+from common import (
+    RESULTS_DIR,
+    WrappedPolicy,
+    builtin_engine,
+    format_table,
+    machine_info,
+    write_json,
+)
 
 from specbatch.bench.cells import run_cell
 from specbatch.bench.offline import DEFAULT_OUTPUT_LEN_SPREAD, default_num_requests
 from specbatch.bench.workload import build_workload, spread_output_lengths
-from specbatch.config import EngineArgs
-from specbatch.engine.llm_engine import LLMEngine
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import FixedDraftLength
@@ -88,13 +93,7 @@ def main() -> None:
     b, k_max = args.batch_size, args.max_draft_length
     num_requests = default_num_requests(b)  # as specbatch bench
     longest = math.ceil(64 * (1 + args.output_len_spread))
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            num_speculative_tokens=k_max,
-            max_model_len=64 + longest + k_max + 2,
-            max_num_seqs=max(64, b),
-        )
-    )
+    engine = builtin_engine(k_max, 64, longest, max_num_seqs=max(64, b))
     forward = {"seconds": 0.0}
     execute = engine.executor.execute
 

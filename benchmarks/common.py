@@ -259,3 +259,18 @@ class WrappedPolicy:
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
             observe(plan, result, seconds)
+
+
+def builtin_engine(draft_length: int, prompt_len: int, output_len: int, max_num_seqs: int) -> Any:
+    """An engine on the built-in pair speculating up to ``draft_length`` tokens, with room in a
+    sequence for ``prompt_len + output_len`` tokens and the drafts."""
+    from specbatch.config import EngineArgs
+    from specbatch.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            num_speculative_tokens=draft_length,
+            max_model_len=prompt_len + output_len + draft_length + 2,
+            max_num_seqs=max_num_seqs,
+        )
+    )
