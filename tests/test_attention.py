@@ -12,8 +12,8 @@ from specbatch.model.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     TorchAttentionBackend,
-    select_backend,
 )
+from specbatch.model.layers.backend_choice import select_backend
 
 BLOCK_SIZE = 4
 

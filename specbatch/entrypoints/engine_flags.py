@@ -132,7 +132,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "attention_backend",
         str,
-        "auto or torch (the only backend so far; flash-attn and xformers are planned)",
+        "auto, torch, flash-attn (CUDA, block size a multiple of 256) or xformers (CUDA, "
+        "multiple of 64); auto: flash-attn, else xformers, else torch, as installed and as the "
+        "block size allows",
         metavar="NAME",
     ),
 )

@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         arch = check_architecture(hf_config)
         if attention_backend is None:
-            from specbatch.model.layers.attention import select_backend
+            from specbatch.model.layers.backend_choice import select_backend
 
             attention_backend = select_backend(device, dtype=dtype)
         self.hf_config = hf_config

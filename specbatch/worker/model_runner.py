@@ -8,7 +8,8 @@ import torch
 
 from specbatch.config import ModelConfig
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
-from specbatch.model.layers.attention import AttentionMetadata, select_backend
+from specbatch.model.layers.attention import AttentionMetadata
+from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.loader import load_model
 
 
@@ -63,10 +64,15 @@ class ModelRunner:
         device: torch.device,
         tp: TensorParallelGroup = SINGLE,
         attention_backend: str = "auto",
+        block_size: int | None = None,
     ) -> None:
+        """``block_size`` (the engine's) lets "auto" skip a CUDA backend whose block-size rule it
+        breaks, and an explicitly named backend reject it early; None: "auto" keeps torch."""
         self.config = model_config
         self.device = device
-        self.backend = select_backend(device, attention_backend)
+        self.backend = select_backend(
+            device, attention_backend, dtype=model_config.dtype, block_size=block_size
+        )
         self.model = load_model(
             model_config.path, model_config.dtype, device, tp, attention_backend=self.backend
         )
@@ -78,6 +84,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Zero-filled, so padded reads in the reference backend never meet NaN bit patterns."""
+        self.backend.check_block_size(block_size)
         shape = (num_blocks, block_size, self.model.num_kv_heads_local, self.model.head_dim)
         dtype = self.config.dtype
         self.kv_caches = [

@@ -58,10 +58,14 @@ class Worker:
         self.config = config
         self.device = device or torch.device(config.device)
         self.tp = tp
-        self.target = ModelRunner(config.target, self.device, tp, config.attention_backend)
+        self.target = ModelRunner(
+            config.target, self.device, tp, config.attention_backend, config.block_size
+        )
         self.draft: ModelRunner | None = None
         if config.speculative and config.draft is not None:
-            self.draft = ModelRunner(config.draft, self.device, draft_tp, config.attention_backend)
+            self.draft = ModelRunner(
+                config.draft, self.device, draft_tp, config.attention_backend, config.block_size
+            )
         self._states: dict[str, _RequestState] = {}
         self.sync_phases = False  # wait for the device between a step's phases (profiling)
 

@@ -1,5 +1,5 @@
-"""Attention over a paged KV cache: the metadata of one ragged forward, the backend interface, the
-pure-torch reference backend, and the place where a backend is chosen.
+"""Attention over a paged KV cache: the metadata of one ragged forward, the backend interface and
+the pure-torch reference backend (the CUDA ones and the choice between them live beside it).
 
 Layout of one forward: B sequences, T new tokens in all, sequence after sequence. The new tokens
 of a sequence are the LAST ``q_len`` of its ``seq_len`` positions, and query row ``i`` of it sees
@@ -327,22 +327,3 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask.unsqueeze(1),
         )
         return _Plan(group, long)
-
-
-def select_backend(
-    device: torch.device | str, name: str = "auto", dtype: torch.dtype | None = None
-) -> AttentionBackend:
-    """The attention backend for a device: ``name`` is ``"auto"`` or one of the backend names.
-
-    Today only the pure-torch backend exists. CUDA backends (flash-attn paged varlen, xformers)
-    belong here: with ``"auto"`` on a CUDA device, return the first one that imports and supports
-    ``dtype``; mind that they constrain ``block_size`` (see ``check_block_size``).
-    """
-    available: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
-    if name == "auto":
-        return TorchAttentionBackend()
-    if name not in available:
-        raise InvalidInputError(
-            f"attention_backend '{name}' is not available; available: auto, " + ", ".join(available)
-        )
-    return available[name]()
