@@ -106,6 +106,23 @@ def test_mixed_batch_gives_each_request_its_own_gamma():
     assert gammas[0] > gammas[2] > gammas[1] == 0
 
 
+def test_moves_one_position_per_replan_except_to_plain_or_to_a_well_measured_depth():
+    # drafts are free: the best plan is the deepest, but from a plan 1 deep the next may be 2
+    # deep at most, while depths 3-4 rest on no step at this batch size
+    p = policy(4, (1.0, 0.0), (0.0, 0.0))
+    alphas, caps = [0.9] * 3, [4] * 3
+    assert p.choose(alphas, caps, shape(3)) == [4] * 3
+    assert p.choose(alphas, caps, shape(3), around=1) == [2] * 3
+    assert p.choose(alphas, caps, shape(3), around=3) == [4] * 3
+    for _ in range(p.well_measured + 1):  # depth 4 measured at this batch size, beside depth 1
+        for g in (4, 1):
+            p.cost.observe(3, 3 * g, 3, [g] * 3, 1.0)
+    assert p.choose(alphas, caps, shape(3), around=1) == [4] * 3
+    # drafts cost more than they return: plain decoding is open from any depth
+    p = policy(4, (1.0, 0.0), (1.0, 0.0))
+    assert p.choose([0.6] * 3, caps, shape(3), around=4) == [0] * 3
+
+
 def test_respects_the_cap():
     p = policy(4, (1.0, 0.0), (0.0, 0.0))  # drafts are free: take all that is allowed
     assert p.choose([0.9, 0.9, 0.9], [4, 2, 0], shape(3)) == [4, 2, 0]
@@ -270,16 +287,21 @@ def test_step_cost_learns_a_depth_it_runs_in_streaks():
     assert ratio() == pytest.approx(want, rel=0.025)
 
 
-def test_a_depth_run_once_at_another_batch_size_sets_no_price_here():
-    # batch 4 has run depths 1-3 at the profile's price; batch 8 ran depth 4 once, a step
-    # held up to twice its time. Batch 4's depth 4 leans on that step as one step, against
-    # its own depths' two: its price is off by the third of a doubling, not by all of it
+def test_another_batch_size_prices_a_depth_only_where_this_one_has_measured_none():
+    # batch 8 ran depth 4 once, a step held up to twice its time. At batch 2, which has run
+    # no depth, depth 4 leans on that step as one step against prior_weight (2) at 0: off by
+    # a third of a doubling, not all of it
     truth_t, truth_d = (0.010, 0.0002), (0.002, 0.00005)
     model = synthetic(truth_t, truth_d)
-    for g in (1, 2, 3):
-        model._shift_entry(model.batch_bucket(4), g)[:] = [0.0, 50.0]
     model._shift_entry(model.batch_bucket(8), 4)[:] = [math.log(2.0), 1.0]
-    assert model._shift(model.batch_bucket(4), 4) == pytest.approx(math.log(2.0) / 3)
+    assert model._shift(model.batch_bucket(2), 4) == pytest.approx(math.log(2.0) / 3)
+    # batch 4 has run depths 1-3, 10% and 20% above the profile: depth 4 is priced from
+    # those (flat past the deepest), whatever batch 8 found, even on many steps
+    model._shift_entry(model.batch_bucket(8), 4)[:] = [math.log(0.5), 100.0]
+    for g, ratio in ((1, 1.1), (2, 1.1), (3, 1.2)):
+        model._shift_entry(model.batch_bucket(4), g)[:] = [math.log(ratio), 50.0]
+    assert model._shift(model.batch_bucket(4), 4) == pytest.approx(math.log(1.2))
+    assert model._shift(model.batch_bucket(4), 0) == pytest.approx(math.log(1.1))
 
 
 def test_profile_token_counts_cover_the_range():

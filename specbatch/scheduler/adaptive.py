@@ -181,11 +181,20 @@ class AdaptiveDraftLength:
         # the search over per-request plans is most of the policy's time: while it keeps
         # losing to the uniform plans at this batch size, it runs at the periodic replans only
         search = self._per_request_won.get(bucket, True) or seen % self.replan_every == 0
-        gammas = self.choose(alphas, caps, shape, lags, factors, per_request=search)
+        around = self._incumbent_depth(bucket)
+        gammas = self.choose(alphas, caps, shape, lags, factors, per_request=search, around=around)
         if search:
             deepest = max(gammas, default=0)
             self._per_request_won[bucket] = any(g != min(deepest, c) for g, c in zip(gammas, caps))
         return gammas
+
+    def _incumbent_depth(self, bucket: int) -> int | None:
+        """The deepest draft of the last plan at this batch size, or, at a new one, at the
+        nearest that has a plan (larger first); None before any plan."""
+        if not self._plans:
+            return None
+        nearest = min(self._plans, key=lambda b: (abs(b - bucket), -b))
+        return max(self._plans[nearest].gammas, default=0)
 
     @staticmethod
     def _amortised_lag(req: Request) -> float:
@@ -252,6 +261,7 @@ class AdaptiveDraftLength:
         lags: Sequence[float] | None = None,
         factors: np.ndarray | None = None,
         per_request: bool = True,
+        around: int | None = None,
     ) -> list[int]:
         """Gammas maximising ``sum E(alpha_i, g_i) / T`` over ``g_i <= caps[i]``.
 
@@ -269,6 +279,9 @@ class AdaptiveDraftLength:
         depth by ``switch_margin``: flapping between the two makes the draft catch up in
         bursts.
         ``per_request=False`` prices the uniform plans only.
+        ``around``, the deepest draft of the plan this one replaces, limits the new plan's
+        deepest draft to one position either side of it, to 0, or to a depth whose step time
+        rests on ``well_measured`` steps at this batch size (``_trusted``); None: any depth.
         """
         n = len(alphas)
         g_max = max(caps, default=0)
@@ -291,7 +304,8 @@ class AdaptiveDraftLength:
             plans.sizes,
         )
         rates = plans.tokens / seconds
-        u = int(np.argmax(rates[: g_max + 1]))
+        trusted = self._trusted(shape.num_seqs, g_max, around)
+        u = int(np.argmax(np.where(trusted, rates[: g_max + 1], -np.inf)))
         # starting or stopping drafting pays a margin, against flapping between the two
         stay = min(self._depth, g_max)
         if (u == 0) != (stay == 0) and rates[u] < rates[stay] * (1 + self.switch_margin):
@@ -304,6 +318,8 @@ class AdaptiveDraftLength:
         by_depth = rates[g_max + 1 :].reshape(g_max, -1)  # [deepest, prefix]
         previous = 0.0
         for deepest in range(1, g_max + 1):
+            if not trusted[deepest]:
+                continue
             m = int(np.argmax(by_depth[deepest - 1]))
             rate = float(by_depth[deepest - 1, m])
             if rate > best_rate * (1 + 1e-9):
@@ -314,6 +330,22 @@ class AdaptiveDraftLength:
                 break
             previous = rate
         return [int(g) for g in best]
+
+    def _trusted(self, num_seqs: int, g_max: int, around: int | None) -> np.ndarray:
+        """[g_max + 1] bool: the deepest drafts a plan may have (see ``choose``). The cost model
+        prices a depth by the steps measured at it at this batch size; one hardly run there is
+        priced from other batch sizes, a few steps and an extrapolation, and errs by tens of
+        percent (at batch 2: depths 5-8 priced 5-15% below the profile where the depths run
+        there ran 9-20% above it, so the policy jumped from depth 1 to 6-8 for a replan's
+        steps). So a plan moves at most one position deeper or shallower per replan, where
+        exploration keeps the step times measured, except to plain decoding or to a depth
+        measured at this batch size as well as the plan's."""
+        ok = np.ones(g_max + 1, dtype=bool)
+        if around is None:
+            return ok
+        for g in range(1, g_max + 1):
+            ok[g] = abs(g - around) <= 1 or self.cost.steps_seen(num_seqs, g) >= self.well_measured
+        return ok
 
     def _fit_free_blocks(
         self, requests: list[Request], gammas: list[int], kv_binds: bool = True

@@ -145,10 +145,11 @@ class StepCostModel:
       the policy does not run included.
     * ``shift`` is how much steps at depth G ran above the steps at other depths among the
       last ``level_memory`` at this batch size (the mean of the last ``memory`` such
-      contrasts), leaning on what the steps at other batch sizes and depths say while it has
-      few (``_shift``). A step with no other depth among those teaches the shift nothing: the
-      policy runs a plan for several steps in a row, and measured against a level made of
-      its own depth's steps, a shift would only confirm what it already was, however wrong.
+      contrasts), leaning on what this batch size's other depths say while it has few, or at
+      a new batch size on the nearest one's steps at that depth (``_shift``). A step with no
+      other depth among those teaches the shift nothing: the policy runs a plan for several
+      steps in a row, and measured against a level made of its own depth's steps, a shift
+      would only confirm what it already was, however wrong.
 
     Only the shifts tell one plan from another at a batch size (a level scales every plan
     alike), so the level may follow the last few steps, and the shifts, learned as contrasts
@@ -225,19 +226,26 @@ class StepCostModel:
         return seconds
 
     def _shift(self, bucket: int, depth: int) -> float:
-        """The shift at (bucket, depth), leaning with ``prior_weight`` steps on a prior: the
-        shift at this depth at the nearest batch size that ran it, itself leaning with
-        ``prior_weight`` steps on this batch size's shifts at the other depths (interpolated;
-        0 without any). So a neighbour's shift counts by the steps it rests on: one step held
-        up on a shared machine does not set the price of a depth at every batch size beside."""
+        """The shift at (bucket, depth), leaning with ``prior_weight`` steps on a prior: this
+        batch size's shifts at the other depths, interpolated (flat past the deepest and the
+        shallowest); at a batch size with none yet, the shift at this depth at the nearest
+        batch size that ran it, counted by the steps it rests on against ``prior_weight`` at 0
+        (one step held up on a shared machine does not set a price anywhere). Another batch
+        size's shift is not a prior where this one has measured depths of its own: the
+        profile's error at a depth differs from one batch size to the next, and a depth priced
+        from batch 1's deep drafts at batch 2 came out 5-15% below the profile where the
+        depths batch 2 ran were 9-20% above it; a plan chosen at that price was slower."""
         k = self.prior_weight
         at_bucket = self.shift.get(bucket, {})
         here = sorted((g, v[0]) for g, v in at_bucket.items() if g != depth)
-        prior = _interpolate(depth, here) if here else 0.0
-        near = [b for b in self._buckets_at.get(depth, ()) if b != bucket]
-        if near:
-            mean, steps = self.shift[min(near, key=lambda b: (abs(b - bucket), -b))][depth]
-            prior = (mean * steps + prior * k) / (steps + k)
+        if here:
+            prior = _interpolate(depth, here)
+        else:
+            prior = 0.0
+            near = [b for b in self._buckets_at.get(depth, ()) if b != bucket]
+            if near:
+                mean, steps = self.shift[min(near, key=lambda b: (abs(b - bucket), -b))][depth]
+                prior = mean * steps / (steps + k)
         own = at_bucket.get(depth)
         if own is None:
             return prior
