@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 
 import torch
 
+from specbatch.model.layers.attention import AttentionMetadata
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
 
 
@@ -84,3 +86,48 @@ def exact_joint(
 
 def all_sequences(vocab: int, n: int) -> list[tuple[int, ...]]:
     return list(itertools.product(range(vocab), repeat=n))
+
+
+def random_paged_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    AttentionMetadata,
+    list[list[int]],
+]:
+    """One ragged attention forward on random data: q/k/v of the new tokens, caches holding
+    random earlier context (NaN in every unused slot), shuffled non-contiguous block tables,
+    the metadata, and the tables."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(ids[used : used + n])
+        used += n
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
+        for p in range(s_len - q_len):  # earlier context, already cached
+            k_cache[table[p // block_size], p % block_size] = torch.randn(hkv, d, generator=gen)
+            v_cache[table[p // block_size], p % block_size] = torch.randn(hkv, d, generator=gen)
+    t = sum(query_lens)
+    q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
+    return q, k, v, k_cache, v_cache, meta, tables

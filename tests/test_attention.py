@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from specbatch.model.layers.attention import (
     TorchAttentionBackend,
 )
 from specbatch.model.layers.backend_choice import select_backend
+from tests.helpers import random_paged_batch
 
 BLOCK_SIZE = 4
 
@@ -54,31 +53,8 @@ def make_batch(
     d: int,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, ...] | tuple:
-    """Random q/k/v, caches holding random earlier context (NaN in every unused slot) and
-    shuffled, non-contiguous block tables."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    blocks_needed = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    num_blocks = sum(blocks_needed) + 3
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, used = [], 0
-    for n in blocks_needed:
-        tables.append(ids[used : used + n])
-        used += n
-    k_cache = torch.full((num_blocks, BLOCK_SIZE, hkv, d), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
-        for p in range(s_len - q_len):  # earlier context, already cached
-            k_cache[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = torch.randn(hkv, d, generator=gen)
-            v_cache[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = torch.randn(hkv, d, generator=gen)
-    t = sum(query_lens)
-    q = torch.randn(t, hq, d, generator=gen).to(dtype)
-    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, BLOCK_SIZE)
-    return q, k, v, k_cache, v_cache, meta, tables
+) -> tuple:
+    return random_paged_batch(query_lens, seq_lens, BLOCK_SIZE, hq, hkv, d, seed, dtype)
 
 
 # prompt (long), decode, verification, long chunk on top of context, short prompt, short chunk

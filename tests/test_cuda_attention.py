@@ -31,6 +31,7 @@ from specbatch.model.layers.xformers_backend import (
     prepare_xformers_inputs,
     xformers_inputs,
 )
+from tests.helpers import random_paged_batch
 
 # ---- reference kernels (independent of TorchAttentionBackend) ---------------------------------
 
@@ -153,31 +154,9 @@ def make_batch(
     hkv: int,
     d: int,
     seed: int = 0,
-) -> tuple[torch.Tensor, ...] | tuple:
-    """Random q/k/v; caches holding random earlier context and NaN in every unused slot;
-    shuffled, non-contiguous block ids."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 2
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, used = [], 0
-    for n in needed:
-        tables.append(ids[used : used + n])
-        used += n
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
-        for p in range(s_len - q_len):
-            k_cache[table[p // block_size], p % block_size] = torch.randn(hkv, d, generator=gen)
-            v_cache[table[p // block_size], p % block_size] = torch.randn(hkv, d, generator=gen)
-    t = sum(query_lens)
-    q = torch.randn(t, hq, d, generator=gen)
-    k = torch.randn(t, hkv, d, generator=gen)
-    v = torch.randn(t, hkv, d, generator=gen)
-    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
-    return q, k, v, k_cache, v_cache, meta
+) -> tuple:
+    """``random_paged_batch`` without its tables."""
+    return random_paged_batch(query_lens, seq_lens, block_size, hq, hkv, d, seed)[:6]
 
 
 def random_mix(seed: int, block_size: int) -> tuple[list[int], list[int]]:
