@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specbatch.kv_cache.kv_cache_manager import KVCacheManager, blocks_for
+from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
 from specbatch.scheduler.acceptance import AcceptanceEstimates
 from specbatch.scheduler.candidate_plans import CandidatePlans, per_request_plans, uniform_plans
+from specbatch.scheduler.draft_room import binding, draft_caps, fit_free_blocks
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
@@ -107,39 +108,20 @@ class AdaptiveDraftLength:
         per output token."""
         return self._depth == 0
 
-    def _kv_binds(self, num_requests: int) -> bool:
-        """Whether free KV blocks may cap some request's drafts: not while every request could
-        take ``max_draft_length`` more slots (at most that many blocks' worth, plus one for a
-        block boundary) from the free ones."""
-        if self.kv is None:
-            return False
-        per_request = blocks_for(self.max_draft_length, self.kv.block_size) + 1
-        return self.kv.num_free_blocks < num_requests * per_request
-
-    def _caps(self, requests: list[Request]) -> list[int]:
-        """Per-request gamma caps from max_draft_length and, with the KV manager, free blocks."""
-        caps = [self.max_draft_length] * len(requests)
-        if self.kv is None:
-            return caps
-        for i, req in enumerate(requests):
-            if self.kv.has_table(req.request_id):
-                fits = self.kv.max_slots_within_free(req.request_id) - req.num_computed - 1
-                caps[i] = max(0, min(caps[i], fits))
-        return caps
-
     # ---- the choice ----------------------------------------------------------------------------
     def draft_lengths(self, requests: list[Request], shape: StepShape | None = None) -> list[int]:
         if not requests:
             return []
         shape = shape or StepShape.decoding(requests)
         self.estimates.register(requests)
-        kv_binds = self._kv_binds(len(requests))
-        caps = self._caps(requests) if kv_binds else [self.max_draft_length] * len(requests)
+        # the KV manager only while its free blocks may cap a draft (None: no limit)
+        kv = self.kv if binding(self.kv, len(requests), self.max_draft_length) else None
+        caps = draft_caps(kv, requests, self.max_draft_length)
         step = self._decode_steps
         self._decode_steps += 1
         if step < self.calibration_steps:  # sweep gamma 0..max, uniform over the batch
             g = step % (self.max_draft_length + 1)
-            return self._fit_free_blocks(requests, [min(g, c) for c in caps], kv_binds)
+            return fit_free_blocks(kv, requests, [min(g, c) for c in caps])
         if step % self.explore_every == 0:
             self.estimates.learn_prior_strength(requests)
         bucket = self.cost.batch_bucket(shape.num_seqs)
@@ -169,7 +151,7 @@ class AdaptiveDraftLength:
         self._depth = max(gammas, default=0)
         if self._explores(seen, len(requests)):
             gammas = self._explore(gammas, caps, requests, seen)
-        return self._fit_free_blocks(requests, gammas, kv_binds)
+        return fit_free_blocks(kv, requests, gammas)
 
     def _plan(
         self, requests: list[Request], caps: list[int], shape: StepShape, bucket: int, seen: int
@@ -346,25 +328,6 @@ class AdaptiveDraftLength:
         for g in range(1, g_max + 1):
             ok[g] = abs(g - around) <= 1 or self.cost.steps_seen(num_seqs, g) >= self.well_measured
         return ok
-
-    def _fit_free_blocks(
-        self, requests: list[Request], gammas: list[int], kv_binds: bool = True
-    ) -> list[int]:
-        """Shrink the plan, last requests first, so that its new blocks fit in the free ones."""
-        if self.kv is None or not kv_binds:
-            return gammas
-        free = self.kv.num_free_blocks
-        out = []
-        for req, g in zip(requests, gammas):
-            while g > 0:
-                need = self.kv.blocks_needed(req.request_id, req.num_computed + 1 + g)
-                if need <= free:
-                    break
-                g -= 1
-            if g:
-                free -= self.kv.blocks_needed(req.request_id, req.num_computed + 1 + g)
-            out.append(g)
-        return out
 
     # ---- after the step ------------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, step_seconds: float) -> None:
