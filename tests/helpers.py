@@ -88,6 +88,22 @@ def all_sequences(vocab: int, n: int) -> list[tuple[int, ...]]:
     return list(itertools.product(range(vocab), repeat=n))
 
 
+def shuffled_block_tables(
+    blocks_needed: list[int], spare: int, rng: random.Random
+) -> tuple[list[list[int]], int]:
+    """Block tables of ``blocks_needed`` blocks each, drawn without overlap from a shuffled
+    pool with ``spare`` blocks left over (so physical ids are neither contiguous nor in
+    order); and the pool's size."""
+    num_blocks = sum(blocks_needed) + spare
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(ids[used : used + n])
+        used += n
+    return tables, num_blocks
+
+
 def random_paged_batch(
     query_lens: list[int],
     seq_lens: list[int],
@@ -111,14 +127,7 @@ def random_paged_batch(
     the metadata, and the tables."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    blocks_needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_needed) + 3
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, used = [], 0
-    for n in blocks_needed:
-        tables.append(ids[used : used + n])
-        used += n
+    tables, num_blocks = shuffled_block_tables([-(-s // block_size) for s in seq_lens], 3, rng)
     k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):

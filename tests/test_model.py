@@ -20,6 +20,7 @@ from specbatch.errors import InvalidInputError
 from specbatch.model.layers.attention import AttentionMetadata
 from specbatch.model.llama import LlamaForCausalLM
 from specbatch.model.loader import load_hf_config, load_model
+from tests.helpers import shuffled_block_tables
 
 BLOCK_SIZE = 4
 LLAMA3_ROPE = {
@@ -62,14 +63,7 @@ REJECT_AFTER = {2, 4}
 
 def _block_tables(lengths: list[int], rng: random.Random) -> tuple[list[list[int]], int]:
     need = [-(-(n + 3) // BLOCK_SIZE) for n in lengths]  # +3: room for the rejected tokens
-    num_blocks = sum(need) + 2
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, used = [], 0
-    for n in need:
-        tables.append(ids[used : used + n])
-        used += n
-    return tables, num_blocks
+    return shuffled_block_tables(need, 2, rng)
 
 
 def run_schedule(
