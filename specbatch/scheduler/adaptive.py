@@ -290,7 +290,8 @@ class AdaptiveDraftLength:
         u = int(np.argmax(np.where(trusted, rates[: g_max + 1], -np.inf)))
         # starting or stopping drafting pays a margin, against flapping between the two
         stay = min(self._depth, g_max)
-        if (u == 0) != (stay == 0) and rates[u] < rates[stay] * (1 + self.switch_margin):
+        flips = (u == 0) != (stay == 0)
+        if flips and trusted[stay] and rates[u] < rates[stay] * (1 + self.switch_margin):
             u = stay
         best = uniform[u]
         self._plain_share = float(rates[0] / rates[u])
@@ -321,7 +322,7 @@ class AdaptiveDraftLength:
         there ran 9-20% above it, so the policy jumped from depth 1 to 6-8 for a replan's
         steps). So a plan moves at most one position deeper or shallower per replan, where
         exploration keeps the step times measured, except to plain decoding or to a depth
-        measured at this batch size as well as the plan's."""
+        measured on ``well_measured`` steps or more at this batch size."""
         ok = np.ones(g_max + 1, dtype=bool)
         if around is None:
             return ok
