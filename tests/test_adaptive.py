@@ -355,6 +355,27 @@ def test_a_new_request_starts_at_its_sampling_class_rate():
     )
 
 
+def finish(pol: AdaptiveDraftLength, req: Request) -> None:
+    pol.observe(SchedulerOutput(finished_request_ids=[req.request_id]), StepResult(), 0.01)
+
+
+def test_prior_strength_is_strong_when_requests_accept_alike_and_weak_when_they_differ():
+    alike = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0)
+    differ = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0)
+    for i in range(16):
+        req = make_request(f"r{i}", 4, 200)
+        observe_rounds(alike, req, [(1, 1), (1, 0)] * 20)  # every request: alpha 1/2
+        finish(alike, req)
+        req = make_request(f"s{i}", 4, 200)  # half the requests accept 9 drafts in 10, half 1
+        observe_rounds(differ, req, [(1, 1)] * 36 + [(1, 0)] * 4 if i % 2 else [(1, 0)] * 36)
+        finish(differ, req)
+    for p in (alike, differ):
+        assert p.estimates.prior_strength == 8.0  # the default until learned
+        p.estimates.learn_prior_strength()
+    assert alike.estimates.prior_strength == 200.0  # the class rate says it all
+    assert differ.estimates.prior_strength == 2.0  # a request's own rounds count at once
+
+
 def greedy_requests(n: int, prefix: str) -> list[Request]:
     reqs = [make_request(f"{prefix}{i}", 4, 400) for i in range(n)]
     for r in reqs:
@@ -421,6 +442,40 @@ def test_a_uniform_plan_stands_for_another_batch_of_the_same_size_between_replan
     assert len(calls) == 1
     p.draft_lengths(batch)  # the replan
     assert len(calls) == 2
+
+
+def test_a_uniform_plan_does_not_stand_for_a_request_of_another_sampling_class():
+    p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
+    calls = count_choices(p)
+    batch = [make_request("a", 4, 50)]
+    for _ in range(p.replan_every + 1):  # past the first steps, and a replan
+        p.draft_lengths(batch)
+    calls.clear()
+    p.draft_lengths([make_request("b", 4, 50)])  # a request sampled alike: the plan stands
+    assert not calls
+    greedy = make_request("c", 4, 50)
+    greedy.sampling_params = SamplingParams(temperature=0.0, max_tokens=50)
+    p.draft_lengths([greedy])
+    assert len(calls) == 1
+
+
+def test_replans_less_often_where_a_replan_is_dear_against_a_step():
+    def replans(step_seconds: float) -> int:
+        p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
+        calls = count_choices(p)
+        batch = [make_request(f"{i}", 4, 500) for i in range(2)]
+        for _ in range(16 * p.replan_every):
+            gammas = p.draft_lengths(batch)
+            srs = [
+                ScheduledRequest(r.request_id, [1], 8, [1], 8, g, True, [0])
+                for r, g in zip(batch, gammas)
+            ]
+            results = {r.request_id: RequestStepResult([1], 0) for r in batch}
+            p.observe(SchedulerOutput(requests=srs), StepResult(results), step_seconds)
+        return len(calls)
+
+    assert replans(10.0) == 16  # a replan is nothing against a step: every replan_every steps
+    assert replans(1e-6) <= 5  # 4x as far apart at most, after the first interval
 
 
 def test_a_batch_size_keeps_its_plan_while_the_batch_goes_thinner_and_back():

@@ -187,6 +187,8 @@ def test_each_repeat_runs_prompts_of_its_own(
         runs = [(first, prompts) for bb, _, first, prompts in measured if bb == b]
         # the draft lengths of a repeat share its prompts; the next repeat takes the next ones
         assert [first for first, _ in runs] == [4, 4, 7, 7]
+        # the second round runs the draft lengths in the other order
+        assert [k for bb, k, _, _ in measured if bb == b] == [0, 2, 2, 0]
         assert runs[0][1] == runs[1][1] and runs[2][1] == runs[3][1]
         assert not set(runs[0][1]) & set(runs[2][1])
 

@@ -9,7 +9,8 @@ spread uniformly by ``output_len_spread`` (``spread_output_lengths``; 0: all the
 Engines: one plain engine (the target alone) runs the draft length 0 cells, and one speculative
 engine built with the largest draft length runs every k > 0 cell, its scheduler's policy set to
 ``FixedDraftLength(k)`` before the cell. Both stay up for the whole run, and the cells of one
-batch size run back to back (k = 0 first), so speedups compare figures taken side by side.
+batch size run back to back, so speedups compare figures taken side by side: in rounds, one
+cell of each draft length a round, the order rotated from round to round (``rotated``).
 Before each cell a warm-up of ``min(B, 4)`` short requests runs, then the engine's counters are
 reset, so warm-up is excluded from every figure. Each repeat of a cell (``repeats``) runs the
 next ``num_requests`` prompts, the same for every draft length: greedy decoding replays a
@@ -66,6 +67,14 @@ def draft_length_arg(value: str) -> int:
         import argparse
 
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+
+
+def rotated(lengths: list[int], r: int) -> list[int]:
+    """Round ``r``'s order of the draft lengths: the grid's order started at its ``r``-th, so
+    that over the rounds each length runs early and late in a round alike (the machine's
+    speed drifts within a round, and a length always run last would carry that drift)."""
+    i = r % len(lengths)
+    return lengths[i:] + lengths[:i]
 
 
 def draft_length_order(k: int) -> float:
@@ -228,7 +237,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         for b in sizes:
             runs: dict[int, list[CellResult]] = {k: [] for k in lengths}
             for r in range(cfg.repeats):  # rounds over the draft lengths, interleaved
-                for k in lengths:
+                for k in rotated(lengths, r):
                     engine = engines[0 if k == 0 else k_max]
                     if k != 0:
                         engine.scheduler.policy = auto if k == AUTO else FixedDraftLength(k)

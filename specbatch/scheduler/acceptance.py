@@ -52,14 +52,19 @@ class AcceptanceEstimates:
         self._own: dict[str, list[int]] = {}  # the running requests' [accepted, tested] drafts
         # per class and draft position: [drafts accepted, acceptances the alphas predicted]
         self._calibration: dict[SamplingClass, list[list[float]]] = {}
-        # recent requests' (class, accepted, tested), for the empirical-Bayes prior strength
+        # finished requests' (class, accepted, tested), for the empirical-Bayes prior strength
         self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
+        self._seen_changed = False
 
     def register(self, requests: list[Request]) -> None:
         """Note the sampling class of requests seen for the first time."""
         for r in requests:
             if r.request_id not in self._class_of:
                 self._class_of[r.request_id] = sampling_class(r.sampling_params)
+
+    def classes(self, requests: list[Request]) -> frozenset[SamplingClass]:
+        """The sampling classes of (registered) requests."""
+        return frozenset(self._class_of[r.request_id] for r in requests)
 
     @property
     def engine_alpha(self) -> float:
@@ -86,28 +91,25 @@ class AcceptanceEstimates:
         a = (accepted + self.prior_strength * prior) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
-    def learn_prior_strength(self, requests: list[Request]) -> None:
+    def learn_prior_strength(self) -> None:
         """Empirical Bayes: how many pseudo-draws the class alpha is worth in a request's
-        estimate, from how much the alphas of recent requests (the last 256 seen, 10+ tested
-        drafts each) spread around their class's mean beyond what their own sampling noise
-        explains. Requests that draft alike get a strong prior (little noise from a few
+        estimate, from how much the alphas of recently finished requests (the last 256, 10+
+        tested drafts each) spread around their class's mean beyond what their own sampling
+        noise explains. Requests that draft alike get a strong prior (little noise from a few
         rounds); requests that differ within their class get a weak one (each request's own
-        rate counts soon). The policy calls it every few steps, off the per-step path."""
-        for r in requests:
-            s = r.spec
-            key = self._class_of.get(r.request_id) or sampling_class(r.sampling_params)
-            self._seen[r.request_id] = (key, s.accepted, s.accepted + s.rejections)
-            self._seen.move_to_end(r.request_id)
-        while len(self._seen) > 256:
-            self._seen.popitem(last=False)
+        rate counts soon). Recomputed only when requests finished since the last call, and
+        the policy calls it every few steps, off the per-step path."""
+        if not self._seen_changed:
+            return
+        self._seen_changed = False
         rows = [(k, a, t) for k, a, t in self._seen.values() if t >= 10]
         if len(rows) < 8:
             return
         counts = np.array([(a, t) for _, a, t in rows], dtype=float)
         rates = counts[:, 0] / counts[:, 1]
-        keys = [k for k, _, _ in rows]
-        means = {k: float(np.mean([r for kk, r in zip(keys, rates) if kk == k])) for k in set(keys)}
-        centre = np.array([means[k] for k in keys])
+        index: dict[SamplingClass, int] = {}
+        cls = np.array([index.setdefault(k, len(index)) for k, _, _ in rows])
+        centre = (np.bincount(cls, weights=rates) / np.bincount(cls))[cls]
         noise = float(np.mean(centre * (1 - centre) / counts[:, 1]))
         spread = max(float(np.mean((rates - centre) ** 2)) - noise, 1e-4)
         mean = float(rates.mean())
@@ -150,8 +152,13 @@ class AcceptanceEstimates:
         """Count a finished step's rounds: engine-wide, per class, and per class and position
         against the alpha each request had before its round."""
         for rid in plan.finished_request_ids:
-            self._class_of.pop(rid, None)
-            self._own.pop(rid, None)
+            key = self._class_of.pop(rid, None)
+            own = self._own.pop(rid, None)
+            if key is not None and own is not None:
+                self._seen[rid] = (key, own[0], own[1])
+                self._seen_changed = True
+                if len(self._seen) > 256:
+                    self._seen.popitem(last=False)
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
             if not sr.sample or r is None or not sr.num_draft:

@@ -182,6 +182,9 @@ class StepCostModel:
         self.shift: dict[int, dict[int, list[float]]] = {}  # batch bucket -> depth -> shift
         self._buckets_at: dict[int, list[int]] = {}  # depth -> buckets with a shift there (index)
         self.overall = [0.0, 0.0]  # the level over every batch size
+        # (bucket, depth) -> (shift, doubt), and bucket -> exp(shift + doubt) per depth: both
+        # memoised until a shift changes
+        self._shifts: dict[tuple[int, int], tuple[float, float]] = {}
         self._cache: dict[int, np.ndarray] = {}
         self._profiled_steps: dict[tuple[int, int, int, tuple[int, ...]], float] = {}
         # per batch bucket: the last level_memory steps' (depth, log ratio less its shift)
@@ -262,9 +265,18 @@ class StepCostModel:
         """log(observed / profiled) expected at this batch size and deepest draft position,
         with the doubt added."""
         bucket = self.batch_bucket(num_seqs)
-        level = self.level.get(bucket, self.overall)[0]
-        doubt = self.step_noise / math.sqrt(self.steps_seen(num_seqs, depth) + self.prior_weight)
-        return level + self._shift(bucket, depth) + doubt
+        return self.level.get(bucket, self.overall)[0] + sum(self._shift_and_doubt(bucket, depth))
+
+    def _shift_and_doubt(self, bucket: int, depth: int) -> tuple[float, float]:
+        """``_shift`` and the doubt, memoised until a shift changes: most steps change only a
+        level (a step teaches a shift only beside steps of other depths)."""
+        value = self._shifts.get((bucket, depth))
+        if value is None:
+            own = self.shift.get(bucket, {}).get(depth)
+            steps = 0.0 if own is None else own[1]
+            doubt = self.step_noise / math.sqrt(steps + self.prior_weight)
+            value = self._shifts[(bucket, depth)] = (self._shift(bucket, depth), doubt)
+        return value
 
     def steps_seen(self, num_seqs: int, depth: int) -> float:
         """How many recent steps the shift at (batch, G) rests on."""
@@ -288,14 +300,15 @@ class StepCostModel:
         depth = np.where(drafts > 0, 1, 0)
         if pass_sizes.size:
             depth = depth + (pass_sizes > 0).sum(axis=1)
-        return seconds * self._ratios(num_seqs, int(depth.max()))[depth]
-
-    def _ratios(self, num_seqs: int, max_depth: int) -> np.ndarray:
-        """exp(log_ratio) for depths 0..max_depth, cached until the next observed step."""
         bucket = self.batch_bucket(num_seqs)
+        level = math.exp(self.level.get(bucket, self.overall)[0])
+        return seconds * (level * self._ratios(bucket, int(depth.max())))[depth]
+
+    def _ratios(self, bucket: int, max_depth: int) -> np.ndarray:
+        """exp(shift + doubt) for depths 0..max_depth, cached until a shift changes."""
         cached = self._cache.get(bucket)
         if cached is None or len(cached) <= max_depth:
-            cached = np.exp([self.log_ratio(num_seqs, g) for g in range(max_depth + 1)])
+            cached = np.exp([sum(self._shift_and_doubt(bucket, g)) for g in range(max_depth + 1)])
             self._cache[bucket] = cached
         return cached
 
@@ -333,9 +346,8 @@ class StepCostModel:
         if step_seconds <= 0 or profiled <= 0:
             return
         x = math.log(step_seconds / profiled)
-        self._cache.clear()
         bucket = self.batch_bucket(num_seqs)
-        shift = self._shift(bucket, depth)
+        shift = self._shift_and_doubt(bucket, depth)[0]
         recent = self._recent.get(bucket)
         if recent is None:
             recent = self._recent[bucket] = deque(maxlen=self.level_memory)
@@ -347,6 +359,8 @@ class StepCostModel:
         if others:
             contrast = x - sum(others) / len(others)
             updates.append((self._shift_entry(bucket, depth), contrast, self.memory))
+            self._shifts.clear()
+            self._cache.clear()
         for entry, value, memory in updates:
             entry[1] = min(entry[1] + 1.0, memory)
             entry[0] += (value - entry[0]) / entry[1]
