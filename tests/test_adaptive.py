@@ -27,14 +27,10 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
+from specbatch.scheduler.pass_times import PassTimes, VerifyTimes, profile_token_counts
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import StepShape
-from specbatch.scheduler.step_cost import (
-    PassTimes,
-    StepCostModel,
-    VerifyTimes,
-    profile_token_counts,
-)
+from specbatch.scheduler.step_cost import StepCostModel
 from specbatch.stop_checker import StopChecker
 from specbatch.theory import expected_tokens_per_round
 from tests.helpers import exact_joint

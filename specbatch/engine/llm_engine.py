@@ -14,9 +14,10 @@ from specbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
+from specbatch.scheduler.pass_times import profile_token_counts
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
-from specbatch.scheduler.step_cost import StepCostModel, profile_token_counts
+from specbatch.scheduler.step_cost import StepCostModel
 from specbatch.stop_checker import StopChecker
 from specbatch.tokenizer import eos_token_ids, load_tokenizer
 from specbatch.worker.executor import create_executor

@@ -14,6 +14,8 @@ maximise the batch's expected emitted tokens per second::
   through ``0 .. max`` so that real steps of every length are timed early.
 * KV blocks: when given the KV manager, the policy never plans more draft slots than the free
   blocks hold (the scheduler shrinks further if needed; it never preempts for drafts).
+* The choice is remade periodically at each batch size; in between, the last plan made there
+  stands (``ReplanClock``, replans.py).
 
 The choice reads only counters of earlier rounds and earlier step times, never this round's
 random draws, so the output distribution is untouched (exactness holds for any gamma).
@@ -21,52 +23,23 @@ random draws, so the output distribution is untouched (exactness holds for any g
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.acceptance import AcceptanceEstimates, SamplingClass
+from specbatch.scheduler.acceptance import AcceptanceEstimates
 from specbatch.scheduler.candidate_plans import CandidatePlans, per_request_plans, uniform_plans
 from specbatch.scheduler.draft_room import binding, draft_caps, fit_free_blocks
 from specbatch.scheduler.output import SchedulerOutput, StepResult
+from specbatch.scheduler.replans import Plan, ReplanClock
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
 
-
-@dataclass(frozen=True)
-class _Plan:
-    """A plan the policy chose, kept for the steps until its next replan."""
-
-    ids: tuple[str, ...]
-    shape: StepShape
-    step: int  # the policy's decoding step it was made at
-    gammas: list[int]
-    uniform_depth: int | None  # G when every request got min(G, its cap), else None
-    classes: frozenset[SamplingClass]  # the sampling classes of the batch it was made for
-
-    @classmethod
-    def of(
-        cls,
-        ids: tuple[str, ...],
-        shape: StepShape,
-        step: int,
-        gammas: list[int],
-        caps: list[int],
-        classes: frozenset[SamplingClass],
-    ) -> _Plan:
-        depth = max(gammas, default=0)
-        uniform = all(g == min(depth, c) for g, c in zip(gammas, caps))
-        return cls(ids, shape, step, gammas, depth if uniform else None, classes)
-
-
 PLAUSIBLE = 0.5  # explore plans without drafts while priced at this share of the best or more
-PLAN_BUDGET = 0.0025  # the share of the step time the periodic replans may take
 
 
 class AdaptiveDraftLength:
@@ -104,12 +77,8 @@ class AdaptiveDraftLength:
         self._decode_steps = 0  # steps with decoding requests that the policy planned
         self._depth = 0  # the deepest draft of the last plan the policy chose
         self._steps_by_batch: Counter[int] = Counter()  # planned steps per batch-size bucket
-        self._next_replan: dict[int, int] = {}  # per bucket: the step count of its next replan
-        self._interval: dict[int, int] = {}  # per bucket: steps between its periodic replans
-        self._plan_seconds = 0.0  # the replans' time, a moving mean
-        self._step_seconds: dict[int, float] = {}  # per bucket: its decoding steps' time, ditto
+        self.replans = ReplanClock(replan_every)
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
-        self._plans: dict[int, _Plan] = {}  # per batch-size bucket: the last plan chosen there
         self._plain_share = 1.0  # the last replan's rate without drafts over its chosen rate
 
     @property
@@ -141,40 +110,16 @@ class AdaptiveDraftLength:
         bucket = self.cost.batch_bucket(shape.num_seqs)
         seen = self._steps_by_batch[bucket]
         self._steps_by_batch[bucket] += 1
+        # between replans (replans.py) a plan made at this batch size stands
         ids = tuple(r.request_id for r in requests)
-        last = self._plans.get(bucket)
-        # Between a batch size's periodic replans (``_replan_interval``) its last plan stands,
-        # if no older than two intervals: as it was for the same batch in the same shape, and
-        # as its depth for a batch of the same size and sampling classes when it was uniform
-        # (a large batch changes a request or two almost every step; a small one goes one
-        # request thinner and back with every request that finishes). The inputs of the
-        # choice move little in a few steps, and on a CPU the choice costs a few percent of a
-        # small batch's step.
-        periodic = seen >= self._next_replan.get(bucket, 0)
-        stands = (
-            last is not None
-            and not periodic
-            and step - last.step < 2 * self._interval.get(bucket, self.replan_every)
-        )
-        classes = None
-        if stands and last is not None and (last.ids, last.shape) == (ids, shape):
-            gammas = [min(g, c) for g, c in zip(last.gammas, caps)]
-        elif (
-            stands
-            and last is not None
-            and last.uniform_depth is not None
-            and (classes := self.estimates.classes(requests)) <= last.classes
-        ):
-            gammas = [min(last.uniform_depth, c) for c in caps]
-        else:
+        classes = self.estimates.classes(requests)
+        periodic = self.replans.due(bucket, seen)
+        gammas = self.replans.standing(bucket, step, ids, shape, caps, classes)
+        if periodic or gammas is None:
             started = time.perf_counter()
             gammas = self._plan(requests, caps, shape, bucket, periodic)
-            classes = classes or self.estimates.classes(requests)
-            self._plans[bucket] = _Plan.of(ids, shape, step, gammas, caps, classes)
-            self._plan_seconds += (time.perf_counter() - started - self._plan_seconds) / 8
-            if periodic:
-                self._interval[bucket] = self._replan_interval(bucket)
-                self._next_replan[bucket] = seen + self._interval[bucket]
+            plan = Plan.of(ids, shape, step, gammas, caps, classes)
+            self.replans.record(bucket, plan, seen, periodic, time.perf_counter() - started)
         self._depth = max(gammas, default=0)
         if self._explores(seen, len(requests)):
             gammas = self._explore(gammas, caps, requests, seen)
@@ -195,31 +140,12 @@ class AdaptiveDraftLength:
         # the search over per-request plans is most of the policy's time: while it keeps
         # losing to the uniform plans at this batch size, it runs at the periodic replans only
         search = self._per_request_won.get(bucket, True) or periodic
-        around = self._incumbent_depth(bucket)
+        around = self.replans.incumbent_depth(bucket)
         gammas = self.choose(alphas, caps, shape, lags, factors, per_request=search, around=around)
         if search:
             deepest = max(gammas, default=0)
             self._per_request_won[bucket] = any(g != min(deepest, c) for g, c in zip(gammas, caps))
         return gammas
-
-    def _replan_interval(self, bucket: int) -> int:
-        """Steps until a batch size's next periodic replan: ``replan_every``, or more where
-        replans would take over ``PLAN_BUDGET`` of the step time (up to 4x). On this 2-core
-        CPU a replan costs about 1 ms, between the forwards and with cold caches, while a
-        step at batch 1 takes about 13 ms: every 8th step, replans took 1% of the time."""
-        step_seconds = self._step_seconds.get(bucket)
-        if not step_seconds:
-            return self.replan_every
-        steps = math.ceil(self._plan_seconds / (PLAN_BUDGET * step_seconds))
-        return min(max(self.replan_every, steps), 4 * self.replan_every)
-
-    def _incumbent_depth(self, bucket: int) -> int | None:
-        """The deepest draft of the last plan at this batch size, or, at a new one, at the
-        nearest that has a plan (larger first); None before any plan."""
-        if not self._plans:
-            return None
-        nearest = min(self._plans, key=lambda b: (abs(b - bucket), -b))
-        return max(self._plans[nearest].gammas, default=0)
 
     @staticmethod
     def _amortised_lag(req: Request) -> float:
@@ -381,9 +307,7 @@ class AdaptiveDraftLength:
         self.draft_length_counts.update(sr.num_draft for sr in plan.requests if sr.sample)
         self.estimates.observe(plan, result)
         if all(sr.sample and len(sr.target_token_ids) == 1 for sr in plan.requests):
-            bucket = self.cost.batch_bucket(len(plan.requests))
-            mean = self._step_seconds.get(bucket, step_seconds)
-            self._step_seconds[bucket] = mean + (step_seconds - mean) / 16
+            self.replans.observe_step(self.cost.batch_bucket(len(plan.requests)), step_seconds)
             self.cost.observe(
                 num_seqs=len(plan.requests),
                 catchup_tokens=sum(len(sr.draft_token_ids) for sr in plan.requests),
