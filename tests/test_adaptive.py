@@ -184,6 +184,29 @@ def test_verify_times_interpolate_in_tokens_per_sequence():
     assert float(times(6, 6)) == pytest.approx(30.0)  # between profiled counts
 
 
+def test_a_step_that_ran_is_priced_as_the_plans_are():
+    # the plain-Python pricing of an observed step matches the vectorised one of the plans,
+    # also past the profiled counts and depths (extrapolated)
+    rng = random.Random(0)
+    counts = profile_token_counts(16)
+    model = StepCostModel(
+        PassTimes(counts, [0.002 + 0.0001 * n + 1e-4 * rng.random() for n in counts]),
+        VerifyTimes(
+            counts, [0, 1, 4], [[0.01 + 0.001 * n * (d + 2) for n in counts] for d in (0, 1, 4)]
+        ),
+        first_draft=PassTimes(counts, [0.003 + 0.0002 * n for n in counts]),
+    )
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        gammas = [rng.choice([0, 0, 1, 2, 3, 8]) for _ in range(n)]
+        catchup = sum(rng.randint(1, 3) for g in gammas if g) + rng.choice([0, 0, 100])
+        target = n + rng.choice([0, 0, 64])
+        depth = max(gammas)
+        sizes = np.array([[sum(g >= j for g in gammas) for j in range(2, depth + 1)]])
+        vector = model.profiled(n, catchup, target, np.array([sum(gammas)]), sizes)[0]
+        assert model.profiled_step(n, catchup, target, gammas) == pytest.approx(vector)
+
+
 def true_step_seconds(n: int, gammas: list[int], truth_t, truth_d, rest) -> float:
     """A step of n decoding requests, each lagging the draft by one token, on linear models."""
     seconds = truth_t[0] + truth_t[1] * (n + sum(gammas)) + rest[0] + rest[1] * n
@@ -387,8 +410,8 @@ def test_position_factors_do_not_count_easy_requests_twice():
     for i, r in enumerate(greedy_requests(20, "r")):
         observe_rounds(p, r, [(4, 4) if i % 2 else (4, 0)] * 20)
     key = sampling_class(SamplingParams(temperature=0.0))
-    s = p.estimates.class_spec[key]
-    assert s.accepted / (s.accepted + s.rejections) == pytest.approx(0.8)
+    accepted, tested = p.estimates.class_counts[key]
+    assert accepted / tested == pytest.approx(0.8)
     assert p.estimates.position_factors(key)[1:] == pytest.approx([1.0] * 3, abs=0.08)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specbatch.request import Request, SpecStats
+from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 
@@ -46,8 +46,10 @@ class AcceptanceEstimates:
         self.max_draft_length = max_draft_length
         self.prior_alpha = prior_alpha
         self.prior_strength = prior_strength
-        self.spec = SpecStats()  # every round observed, all requests together
-        self.class_spec: dict[SamplingClass, SpecStats] = {}  # the same, per sampling class
+        # drafts [accepted, tested] over every round observed, and per sampling class (a
+        # round tests its drafts up to its first rejection)
+        self.counts = [0, 0]
+        self.class_counts: dict[SamplingClass, list[int]] = {}
         self._class_of: dict[str, SamplingClass] = {}  # the running requests' classes
         self._own: dict[str, list[int]] = {}  # the running requests' [accepted, tested] drafts
         # per class and draft position: [drafts accepted, acceptances the alphas predicted]
@@ -69,25 +71,23 @@ class AcceptanceEstimates:
     @property
     def engine_alpha(self) -> float:
         """Engine-wide alpha over the observed rounds, ``prior_alpha`` before any."""
-        a = self.spec.alpha
-        return self.prior_alpha if a is None else a
+        accepted, tested = self.counts
+        return accepted / tested if tested else self.prior_alpha
 
     def class_alpha(self, key: SamplingClass) -> float:
         """The alpha of a sampling class: its tested drafts plus ``CLASS_PRIOR`` pseudo-draws at
         the engine-wide alpha."""
-        s = self.class_spec.get(key) or SpecStats()
-        tested = s.accepted + s.rejections
-        return (s.accepted + CLASS_PRIOR * self.engine_alpha) / (tested + CLASS_PRIOR)
+        accepted, tested = self.class_counts.get(key, (0, 0))
+        return (accepted + CLASS_PRIOR * self.engine_alpha) / (tested + CLASS_PRIOR)
 
     def alpha_of(self, req: Request) -> float:
         """Posterior mean: the request's own tested drafts plus pseudo-draws at its class's
         alpha."""
         s = req.spec
         key = self._class_of.get(req.request_id) or sampling_class(req.sampling_params)
-        return self._posterior(s.accepted, s.accepted + s.rejections, key)
+        return self._posterior(s.accepted, s.accepted + s.rejections, self.class_alpha(key))
 
-    def _posterior(self, accepted: int, tested: int, key: SamplingClass) -> float:
-        prior = self.class_alpha(key)
+    def _posterior(self, accepted: int, tested: int, prior: float) -> float:
         a = (accepted + self.prior_strength * prior) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
 
@@ -159,24 +159,30 @@ class AcceptanceEstimates:
                 self._seen_changed = True
                 if len(self._seen) > 256:
                     self._seen.popitem(last=False)
+        class_alphas: dict[SamplingClass, float] = {}  # as they were before this step
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
             if not sr.sample or r is None or not sr.num_draft:
                 continue
-            self.spec.record(sr.num_draft, r.num_accepted)
+            accepted, tested = r.num_accepted, min(r.num_accepted + 1, sr.num_draft)
             key = self._class_of.get(sr.request_id)
-            if key is None:
-                continue
-            own = self._own.setdefault(sr.request_id, [0, 0])
-            alpha = self._posterior(own[0], own[1], key)
-            tested = min(r.num_accepted + 1, sr.num_draft)
-            hits, predicted = self._calibration.setdefault(key, [[], []])
-            if len(hits) < tested:
-                hits.extend([0.0] * (tested - len(hits)))
-                predicted.extend([0.0] * (tested - len(predicted)))
-            for j in range(tested):
-                hits[j] += j < r.num_accepted
-                predicted[j] += alpha
-            own[0] += r.num_accepted
-            own[1] += tested
-            self.class_spec.setdefault(key, SpecStats()).record(sr.num_draft, r.num_accepted)
+            if key is not None:
+                prior = class_alphas.get(key)
+                if prior is None:
+                    prior = class_alphas[key] = self.class_alpha(key)
+                own = self._own.setdefault(sr.request_id, [0, 0])
+                alpha = self._posterior(own[0], own[1], prior)
+                hits, predicted = self._calibration.setdefault(key, [[], []])
+                if len(hits) < tested:
+                    hits.extend([0.0] * (tested - len(hits)))
+                    predicted.extend([0.0] * (tested - len(predicted)))
+                for j in range(tested):
+                    hits[j] += j < accepted
+                    predicted[j] += alpha
+                own[0] += accepted
+                own[1] += tested
+                counts = self.class_counts.setdefault(key, [0, 0])
+                counts[0] += accepted
+                counts[1] += tested
+            self.counts[0] += accepted
+            self.counts[1] += tested

@@ -105,7 +105,7 @@ class AdaptiveDraftLength:
         if step < self.calibration_steps:  # sweep gamma 0..max, uniform over the batch
             g = step % (self.max_draft_length + 1)
             return fit_free_blocks(kv, requests, [min(g, c) for c in caps])
-        if step % (4 * self.explore_every) == 0:  # it changes as requests finish: slowly
+        if step % 256 == 0:  # over the last 256 finished requests: it changes slowly
             self.estimates.learn_prior_strength()
         bucket = self.cost.batch_bucket(shape.num_seqs)
         seen = self._steps_by_batch[bucket]

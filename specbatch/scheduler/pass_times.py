@@ -10,6 +10,7 @@ again; these keep the profile's shape rather than fitting a line through it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +45,7 @@ class PassTimes:
         # every whole count up to twice the last one, looked up rather than interpolated: the
         # policy prices hundreds of plans per step
         self.table = self._at(np.arange(int(2 * self.x[-1]) + 1))
+        self._table = self.table.tolist()
 
     def _at(self, n: np.ndarray) -> np.ndarray:
         t = np.interp(n, self.x, self.y)
@@ -55,6 +57,13 @@ class PassTimes:
         if n.dtype.kind in "iu" and (n.size == 0 or n.max() < len(self.table)):
             return self.table[n]
         return self._at(n.astype(np.float64))
+
+    def at(self, tokens: int) -> float:
+        """``self(tokens)`` for one count, in plain Python: on the per-step path, between the
+        forwards, where each NumPy call finds the CPU's caches cold."""
+        if 0 <= tokens < len(self._table):
+            return self._table[tokens]
+        return float(self._at(np.asarray(float(tokens))))
 
 
 class VerifyTimes:
@@ -72,15 +81,31 @@ class VerifyTimes:
         if len(depths) != len(seconds) or not depths:
             raise ValueError("VerifyTimes needs one row of times per depth, and at least one")
         self.depths = np.asarray(depths, dtype=np.float64)
+        self._depths = [float(d) for d in depths]
         self.rows = [PassTimes(seq_counts, row) for row in seconds]
-        self._at_n: dict[int, np.ndarray] = {}
+        self._at_n: dict[int, list[float]] = {}
+
+    def _times_at(self, num_seqs: int) -> list[float]:
+        """The profiled depths' times at this n, looked up once per n."""
+        at_n = self._at_n.get(num_seqs)
+        if at_n is None:
+            at_n = np.maximum.accumulate([float(row(num_seqs)) for row in self.rows]).tolist()
+            self._at_n[num_seqs] = at_n
+        return at_n
+
+    def at(self, num_seqs: int, extra_tokens: float) -> float:
+        """``self`` for one plan, in plain Python (see ``PassTimes.at``)."""
+        at_n = self._times_at(num_seqs)
+        depths = self._depths
+        per_seq = extra_tokens / max(num_seqs, 1)
+        if per_seq > depths[-1] and len(at_n) > 1:
+            slope = (at_n[-1] - at_n[-2]) / (depths[-1] - depths[-2])
+            return at_n[-1] + slope * (per_seq - depths[-1])
+        return interpolate(per_seq, list(zip(depths, at_n)))
 
     def __call__(self, num_seqs: int, extra_tokens: np.ndarray | float) -> np.ndarray:
         """Seconds for ``num_seqs`` sequences carrying ``extra_tokens`` tokens beyond one each."""
-        at_n = self._at_n.get(num_seqs)
-        if at_n is None:  # the profiled depths' times at this n, looked up once per n
-            at_n = np.maximum.accumulate([float(row(num_seqs)) for row in self.rows])
-            self._at_n[num_seqs] = at_n
+        at_n = self._times_at(num_seqs)
         per_seq = np.asarray(extra_tokens, dtype=np.float64) / max(num_seqs, 1)
         t = np.interp(per_seq, self.depths, at_n)
         if len(at_n) > 1:
@@ -89,6 +114,17 @@ class VerifyTimes:
                 per_seq > self.depths[-1], at_n[-1] + slope * (per_seq - self.depths[-1]), t
             )
         return t
+
+
+def interpolate(x: float, points: list[tuple[float, float]]) -> float:
+    """Piecewise linear through sorted ``points``, constant past either end (``np.interp`` in
+    plain Python)."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def isotonic(y: np.ndarray) -> np.ndarray:

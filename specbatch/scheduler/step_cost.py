@@ -19,7 +19,6 @@ the policy works (``StepCostModel``).
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -27,18 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from specbatch.scheduler.pass_times import PassTimes, VerifyTimes
-
-
-def _interpolate(x: float, points: list[tuple[int, float]]) -> float:
-    """Piecewise linear through sorted ``points``, constant past either end (``np.interp``
-    in plain Python: it runs after every step)."""
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in itertools.pairwise(points):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
+from specbatch.scheduler.pass_times import PassTimes, VerifyTimes, interpolate
 
 
 class StepCostModel:
@@ -96,7 +84,6 @@ class StepCostModel:
         # memoised until a shift changes
         self._shifts: dict[tuple[int, int], tuple[float, float]] = {}
         self._cache: dict[int, np.ndarray] = {}
-        self._profiled_steps: dict[tuple[int, int, int, tuple[int, ...]], float] = {}
         # per batch bucket: the last level_memory steps' (depth, log ratio less its shift)
         self._recent: dict[int, deque[tuple[int, float]]] = {}
 
@@ -152,7 +139,7 @@ class StepCostModel:
         at_bucket = self.shift.get(bucket, {})
         here = sorted((g, v[0]) for g, v in at_bucket.items() if g != depth)
         if here:
-            prior = _interpolate(depth, here)
+            prior = interpolate(depth, here)
         else:
             prior = 0.0
             near = [b for b in self._buckets_at.get(depth, ()) if b != bucket]
@@ -222,23 +209,17 @@ class StepCostModel:
             self._cache[bucket] = cached
         return cached
 
-    def _profiled_step(
+    def profiled_step(
         self, num_seqs: int, catchup_tokens: int, target_tokens: int, gammas: Sequence[int]
     ) -> float:
-        """The profile's seconds for one step that ran, memoised: a batch's steps repeat a few
-        shapes, and this runs after every step, between the forwards."""
-        key = (num_seqs, catchup_tokens, target_tokens, tuple(sorted(gammas)))
-        seconds = self._profiled_steps.get(key)
-        if seconds is None:
-            depth = max(gammas, default=0)
-            sizes = np.array([[sum(g >= j for g in gammas) for j in range(2, depth + 1)]])
-            drafts = np.array([sum(gammas)])
-            seconds = float(
-                self.profiled(num_seqs, catchup_tokens, target_tokens, drafts, sizes)[0]
-            )
-            if len(self._profiled_steps) >= 4096:
-                self._profiled_steps.clear()
-            self._profiled_steps[key] = seconds
+        """``profiled`` for one step that ran draft lengths ``gammas``, in plain Python: it runs
+        after every step, between the forwards, where each NumPy call finds the CPU's caches
+        cold (a step's shapes vary too much to look them up: at batch 4 a memo missed often
+        enough to cost 0.1 ms a step)."""
+        seconds = self.target.at(num_seqs, target_tokens - num_seqs + sum(gammas))
+        seconds += self.first_draft.at(catchup_tokens)
+        for j in range(2, max(gammas, default=0) + 1):
+            seconds += self.draft.at(sum(g >= j for g in gammas))
         return seconds
 
     def observe(
@@ -252,7 +233,7 @@ class StepCostModel:
         """Learn from one finished decoding step (no prompt chunks: a prompt token costs less
         than a decoded one, which carries logits) that ran draft lengths ``gammas``."""
         depth = max(gammas, default=0)
-        profiled = self._profiled_step(num_seqs, catchup_tokens, target_tokens, gammas)
+        profiled = self.profiled_step(num_seqs, catchup_tokens, target_tokens, gammas)
         if step_seconds <= 0 or profiled <= 0:
             return
         x = math.log(step_seconds / profiled)
