@@ -97,8 +97,8 @@ class AcceptanceEstimates:
         tested drafts each) spread around their class's mean beyond what their own sampling
         noise explains. Requests that draft alike get a strong prior (little noise from a few
         rounds); requests that differ within their class get a weak one (each request's own
-        rate counts soon). Recomputed only when requests finished since the last call, and
-        the policy calls it every few steps, off the per-step path."""
+        rate counts soon). Recomputed only when requests finished since the last call; the
+        policy calls it every 256 steps, off the per-step path."""
         if not self._seen_changed:
             return
         self._seen_changed = False

@@ -114,8 +114,10 @@ class AdaptiveDraftLength:
         ids = tuple(r.request_id for r in requests)
         classes = self.estimates.classes(requests)
         periodic = self.replans.due(bucket, seen)
-        gammas = self.replans.standing(bucket, step, ids, shape, caps, classes)
-        if periodic or gammas is None:
+        gammas = (
+            None if periodic else self.replans.standing(bucket, step, ids, shape, caps, classes)
+        )
+        if gammas is None:
             started = time.perf_counter()
             gammas = self._plan(requests, caps, shape, bucket, periodic)
             plan = Plan.of(ids, shape, step, gammas, caps, classes)
