@@ -729,7 +729,7 @@ def test_joint_of_first_three_tokens_is_the_targets_with_auto(pair):  # noqa: F8
 
 def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
     from specbatch.bench.offline import AUTO, BenchConfig, run_bench
-    from specbatch.bench.report import format_table
+    from specbatch.bench.report import format_report, format_table
     from specbatch.entrypoints.cli import build_parser
 
     target = make_checkpoint("llama", num_layers=2, seed=0)
@@ -757,6 +757,11 @@ def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
             assert c.measured_speedup is not None and c.measured_speedup > 0
             assert c.mean_draft_length is None or c.mean_draft_length <= 2
     assert result.summary["auto_profile_s"] > 0  # the start-up profile, timed
+    against = result.summary["auto_vs_fixed"]
+    assert sorted(against) == ["1", "4"]
+    assert all(r["best_fixed"] in (0, 2) for r in against.values())
+    assert all(len(r["round_tok_ratios"]) == 1 for r in against.values())
+    assert "auto against the best fixed draft length" in format_report(result)
     table = format_table(result.cells)
     assert sum(line.split()[1] == "auto" for line in table.splitlines()[2:]) == 2
 

@@ -148,10 +148,42 @@ def test_repeats_report_the_median_run() -> None:
     # latencies are over every run's requests: the repeats ran different prompts
     for run, tpots in zip(runs, ([0.010, 0.012], [0.020], [0.030, 0.040, 0.050])):
         run.latencies = {"tpot": tpots, "ttft": [0.1] * len(tpots)}
+        run.tpot_mean = sum(tpots) / len(tpots)
     cell = median_cell(runs)
     assert cell.tpot_mean == pytest.approx(0.162 / 6)
+    assert cell.runs_tpot_mean == pytest.approx([0.011, 0.020, 0.040])  # each run's own
     assert cell.tpot_p99 == pytest.approx(0.0495) and cell.ttft_mean == pytest.approx(0.1)
     assert cell.e2e_mean is None and "latencies" not in cell.to_dict()
+
+
+def test_auto_is_set_beside_the_best_fixed_length_round_by_round() -> None:
+    from specbatch.bench.auto_vs_fixed import auto_vs_fixed, format_auto_vs_fixed
+    from specbatch.bench.cells import AUTO
+
+    def cell(k: int, runs_tok_s: list[float], runs_tpot: list[float]) -> CellResult:
+        c = _cell(4, k, sorted(runs_tok_s)[1])
+        c.runs_tok_s, c.runs_tpot_mean = runs_tok_s, runs_tpot
+        c.tpot_mean = sum(runs_tpot) / 3  # equal request counts per run
+        return c
+
+    cells = [
+        cell(0, [80.0, 90.0, 85.0], [0.030, 0.028, 0.029]),
+        cell(2, [100.0, 120.0, 110.0], [0.020, 0.018, 0.019]),  # the best fixed length
+        cell(1, [95.0, 118.0, 105.0], [0.021, 0.018, 0.020]),
+        # one slow round (the machine's hiccup) weighs on the pooled TPOT, not per round
+        cell(AUTO, [70.0, 121.0, 112.0], [0.030, 0.018, 0.019]),
+    ]
+    row = auto_vs_fixed(cells)["4"]
+    assert row["best_fixed"] == 2
+    assert row["tok_ratio"] == pytest.approx(112 / 110)
+    assert row["tpot_ratio"] == pytest.approx(0.067 / 0.057)
+    assert not row["meets_bar"]  # TPOT 1.18x
+    assert row["round_tok_ratios"] == pytest.approx([0.7, 121 / 120, 112 / 110])
+    assert row["median_round_tok_ratio"] == pytest.approx(121 / 120)
+    assert row["median_round_tpot_ratio"] == pytest.approx(1.0)
+    text = "\n".join(format_auto_vs_fixed({"4": row}))
+    assert "B=4: best k=2" in text and "MISSES" in text
+    assert auto_vs_fixed(cells[:3]) == {}  # no auto row
 
 
 def test_each_repeat_runs_prompts_of_its_own(

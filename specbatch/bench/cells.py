@@ -17,6 +17,8 @@ from specbatch.sampling_params import SamplingParams
 from specbatch.stats import percentile
 from specbatch.theory import predicted_speedup
 
+AUTO = -1  # the draft length of an ``auto`` cell: num_speculative_tokens="auto"
+
 
 def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
@@ -63,6 +65,8 @@ class CellResult:
     # THEORY's formula with the measured verify cost in place of 1: E / (g c + verify_ratio)
     predicted_speedup_with_verify: float | None = None
     runs_tok_s: list[float] = field(default_factory=list)  # every repeat's tok/s (--repeats)
+    # every repeat's own mean TPOT, in the same order (``tpot_mean`` pools all their requests)
+    runs_tpot_mean: list[float | None] = field(default_factory=list)
     # tok/s while the engine held all B requests: from the cell's start to the admission of its
     # last request, before the batch drains (None when every request fit in the first batch).
     # With equal lengths, k = 0 finishes a whole batch in one step while staggered speculative
@@ -181,13 +185,15 @@ def run_cell(
 def median_cell(runs: list[CellResult]) -> CellResult:
     """The run of median throughput (the lower one of an even count), with every run's
     throughput in ``runs_tok_s``; its ``full_batch_tok_s`` is the median of the runs' own, and
-    its latencies (TPOT, TTFT, end-to-end) are over the requests of all the runs. Each repeat
+    its latencies (TPOT, TTFT, end-to-end) are over the requests of all the runs, each run's
+    own mean TPOT kept in ``runs_tpot_mean``. Each repeat
     runs prompts of its own with output lengths of their own, the same for every draft length:
     the median runs of two draft lengths may be different repeats, and a latency of one
     repeat's requests set beside another's would compare prompts as much as draft lengths."""
     ordered = sorted(runs, key=lambda c: c.output_tok_s)
     cell = ordered[(len(ordered) - 1) // 2]
     cell.runs_tok_s = [c.output_tok_s for c in runs]
+    cell.runs_tpot_mean = [c.tpot_mean for c in runs]
     cell.latencies = {n: [x for c in runs for x in c.latencies.get(n, [])] for n in LATENCIES}
     for name, value in _latency_figures(cell.latencies).items():
         setattr(cell, name, value)

@@ -39,7 +39,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specbatch.bench.cells import CellResult, compare_with_plain, crossover, median_cell, run_cell
+from specbatch.bench.auto_vs_fixed import auto_vs_fixed
+from specbatch.bench.cells import (
+    AUTO,
+    CellResult,
+    compare_with_plain,
+    crossover,
+    median_cell,
+    run_cell,
+)
 from specbatch.bench.workload import build_workload, mixed, spread_output_lengths
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
@@ -47,7 +55,6 @@ from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.speculation import FixedDraftLength
 
-AUTO = -1  # the draft length of the ``auto`` row: num_speculative_tokens="auto"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
 DEFAULT_INPUT_LEN = 64
@@ -271,7 +278,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         workload_source=source,
         cells=cells,
         summary=crossover(cells)
-        | ({"auto_profile_s": auto.profile_seconds} if auto is not None else {}),
+        | (
+            {"auto_profile_s": auto.profile_seconds, "auto_vs_fixed": auto_vs_fixed(cells)}
+            if auto is not None
+            else {}
+        ),
         machine=machine_facts(),
         wall_s=time.perf_counter() - t0,
     )

@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from specbatch.bench.auto_vs_fixed import format_auto_vs_fixed
 from specbatch.bench.cells import CellResult
 from specbatch.bench.offline import AUTO, BenchResult, draft_length_label
 
@@ -110,6 +111,7 @@ def format_report(result: BenchResult) -> str:
     profiled = result.summary.get("auto_profile_s")
     if profiled is not None:
         lines.append(f"auto: start-up profile of the passes {profiled:.1f} s")
+    lines += format_auto_vs_fixed(result.summary.get("auto_vs_fixed", {}))
     lines.append(f"wall time {result.wall_s:.1f} s")
     return "\n".join(lines)
 
