@@ -1,13 +1,15 @@
 """``auto``'s acceptance estimates: each request's alpha, and how acceptance changes along a
 round's draft positions, from the rounds the policy observed.
 
-* A request's alpha is a Beta-style posterior mean: its own accepted / tested drafts plus
-  ``prior_strength`` pseudo-draws at the alpha of its sampling class (requests with the same
-  temperature, top-p and top-k), itself leaning on the engine-wide alpha while the class is
-  new. Greedy requests and requests sampled at a high temperature accept drafts at very
-  different rates, so a new request starts near its own kind's rate, not the mix's.
-* ``prior_strength`` is learned by empirical Bayes from how much recent requests' rates
-  spread around their class's mean.
+* A request's alpha is a posterior mean given its own accepted / tested drafts, under a prior
+  of its sampling class (requests with the same temperature, top-p and top-k): greedy
+  requests and requests sampled at a high temperature accept drafts at very different rates,
+  so a new request starts near its own kind's rate, not the mix's. Once the class has
+  ``MIN_REQUESTS`` finished requests, the prior is a histogram fitted to theirs
+  (``GridPrior``, alpha_prior.py). Before that, a Beta: ``prior_strength`` pseudo-draws at the
+  class's alpha (itself leaning on the engine-wide alpha while the class is new), with
+  ``prior_strength`` learned by empirical Bayes from how much finished requests' rates spread
+  around their class's mean.
 * Position factors, per class: acceptance at draft position j given the drafts before it were
   accepted, over what the requests' own alphas predicted for those same rounds.
 
@@ -23,11 +25,13 @@ import numpy as np
 
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.alpha_prior import MIN_REQUESTS, GridPrior
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 
 ALPHA_CAP = 0.99  # E(a, g) grows without bound in g as a -> 1; keep some doubt
 CLASS_PRIOR = 20.0  # pseudo-draws at the engine-wide alpha in a sampling class's alpha
 FACTOR_PRIOR = 20.0  # pseudo-acceptances at factor 1 in each draft position's factor
+REFIT_AFTER = 32  # finished requests of a class before its histogram prior is refitted
 
 SamplingClass = tuple[float, float, int]
 
@@ -57,6 +61,8 @@ class AcceptanceEstimates:
         # finished requests' (class, accepted, tested), for the empirical-Bayes prior strength
         self._seen: OrderedDict[str, tuple[SamplingClass, int, int]] = OrderedDict()
         self._seen_changed = False
+        self.priors: dict[SamplingClass, GridPrior] = {}  # per class, once learned
+        self._finished_since_fit: dict[SamplingClass, int] = {}
 
     def register(self, requests: list[Request]) -> None:
         """Note the sampling class of requests seen for the first time."""
@@ -81,15 +87,37 @@ class AcceptanceEstimates:
         return (accepted + CLASS_PRIOR * self.engine_alpha) / (tested + CLASS_PRIOR)
 
     def alpha_of(self, req: Request) -> float:
-        """Posterior mean: the request's own tested drafts plus pseudo-draws at its class's
-        alpha."""
+        """The posterior mean of the request's alpha given its own tested drafts."""
         s = req.spec
         key = self._class_of.get(req.request_id) or sampling_class(req.sampling_params)
-        return self._posterior(s.accepted, s.accepted + s.rejections, self.class_alpha(key))
+        return self._posterior(key, s.accepted, s.accepted + s.rejections)
 
-    def _posterior(self, accepted: int, tested: int, prior: float) -> float:
-        a = (accepted + self.prior_strength * prior) / (tested + self.prior_strength)
+    def _posterior(
+        self, key: SamplingClass, accepted: int, tested: int, class_alpha: float | None = None
+    ) -> float:
+        """Under the class's histogram prior once learned, else a Beta around ``class_alpha``
+        (computed when not given)."""
+        prior = self.priors.get(key)
+        if prior is not None:
+            return min(prior.estimate(accepted, tested), ALPHA_CAP)
+        if class_alpha is None:
+            class_alpha = self.class_alpha(key)
+        a = (accepted + self.prior_strength * class_alpha) / (tested + self.prior_strength)
         return min(max(a, 0.0), ALPHA_CAP)
+
+    def learn_priors(self) -> None:
+        """Refit the histogram prior of each class with ``MIN_REQUESTS`` finished requests and
+        ``REFIT_AFTER`` finished since its last fit (from the last 256 finished requests), and
+        relearn ``prior_strength``. The policy calls it every 256 steps, off the per-step
+        path."""
+        self.learn_prior_strength()
+        due = [k for k, n in self._finished_since_fit.items() if n >= REFIT_AFTER]
+        for key in due:
+            rows = [(a, t) for k, a, t in self._seen.values() if k == key and t > 0]
+            if len(rows) >= MIN_REQUESTS:
+                counts = np.array(rows, dtype=np.float64)
+                self.priors[key] = GridPrior(counts[:, 0], counts[:, 1], self.priors.get(key))
+                self._finished_since_fit[key] = 0
 
     def learn_prior_strength(self) -> None:
         """Empirical Bayes: how many pseudo-draws the class alpha is worth in a request's
@@ -97,8 +125,7 @@ class AcceptanceEstimates:
         tested drafts each) spread around their class's mean beyond what their own sampling
         noise explains. Requests that draft alike get a strong prior (little noise from a few
         rounds); requests that differ within their class get a weak one (each request's own
-        rate counts soon). Recomputed only when requests finished since the last call; the
-        policy calls it every 256 steps, off the per-step path."""
+        rate counts soon). Recomputed only when requests finished since the last call."""
         if not self._seen_changed:
             return
         self._seen_changed = False
@@ -157,6 +184,9 @@ class AcceptanceEstimates:
             if key is not None and own is not None:
                 self._seen[rid] = (key, own[0], own[1])
                 self._seen_changed = True
+                # the first fit as soon as the class has MIN_REQUESTS, then every REFIT_AFTER
+                since = self._finished_since_fit.get(key, REFIT_AFTER - MIN_REQUESTS) + 1
+                self._finished_since_fit[key] = since
                 if len(self._seen) > 256:
                     self._seen.popitem(last=False)
         class_alphas: dict[SamplingClass, float] = {}  # as they were before this step
@@ -171,7 +201,7 @@ class AcceptanceEstimates:
                 if prior is None:
                     prior = class_alphas[key] = self.class_alpha(key)
                 own = self._own.setdefault(sr.request_id, [0, 0])
-                alpha = self._posterior(own[0], own[1], prior)
+                alpha = self._posterior(key, own[0], own[1], prior)
                 hits, predicted = self._calibration.setdefault(key, [[], []])
                 if len(hits) < tested:
                     hits.extend([0.0] * (tested - len(hits)))

@@ -106,7 +106,7 @@ class AdaptiveDraftLength:
             g = step % (self.max_draft_length + 1)
             return fit_free_blocks(kv, requests, [min(g, c) for c in caps])
         if step % 256 == 0:  # over the last 256 finished requests: it changes slowly
-            self.estimates.learn_prior_strength()
+            self.estimates.learn_priors()
         bucket = self.cost.batch_bucket(shape.num_seqs)
         seen = self._steps_by_batch[bucket]
         self._steps_by_batch[bucket] += 1
