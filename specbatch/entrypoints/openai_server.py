@@ -9,7 +9,6 @@ key (``/v1/*`` only), 503 full queue, 500 engine failure. Streams are server-sen
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -33,8 +32,6 @@ from specbatch.engine.prometheus import ServerMetrics
 from specbatch.entrypoints.openai_protocol import (
     DEFAULT_MODEL_NAME,
     ApiError,
-    EventStream,
-    TextDelta,
     bad_request,
     chat_messages,
     completion_prompt,
@@ -42,12 +39,11 @@ from specbatch.entrypoints.openai_protocol import (
     field_of,
     finish_reason_of,
     sampling_params_from,
-    sse_event,
     typed_field,
     usage_of,
 )
+from specbatch.entrypoints.openai_replies import MakeChunk, ReplyIds, collect, sse_response
 from specbatch.errors import EngineError, InvalidInputError
-from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 
 
@@ -135,17 +131,9 @@ class OpenAIServer:
             }
 
         if stream_flag:
-            return self._sse_response(
-                stream,
-                params,
-                lambda d, f: chunk(d, f),
-                None,
-                include_usage,
-                rid,
-                created,
-                "text_completion",
-            )
-        out = await self._collect(stream, request)
+            ids = ReplyIds(rid, created, "text_completion", self.model_name)
+            return self._stream(stream, params, ids, chunk, None, include_usage)
+        out = await collect(stream, request)
         body_out = chunk(out.outputs[0].text, finish_reason_of(out))
         body_out["usage"] = usage_of(out)
         return JSONResponse(body_out)
@@ -189,18 +177,14 @@ class OpenAIServer:
             }
 
         if stream_flag:
+            ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
             first = chunk({"role": "assistant", "content": ""}, None)
-            return self._sse_response(
-                stream,
-                params,
-                lambda d, f: chunk({"content": d} if d else {}, f),
-                first,
-                include_usage,
-                rid,
-                created,
-                "chat.completion.chunk",
-            )
-        out = await self._collect(stream, request)
+
+            def text_chunk(text: str, finish: str | None) -> dict[str, Any]:
+                return chunk({"content": text} if text else {}, finish)
+
+            return self._stream(stream, params, ids, text_chunk, first, include_usage)
+        out = await collect(stream, request)
         return JSONResponse(
             {
                 "id": rid,
@@ -229,74 +213,27 @@ class OpenAIServer:
             raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
         return stream_flag, include_usage
 
-    async def _collect(self, stream: RequestStream, request: Request) -> RequestOutput:
-        """Wait for the whole output; abort the request if the client goes away meanwhile."""
-        task = asyncio.ensure_future(stream.final())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    raise ApiError(499, "client disconnected", "client_closed_request")
-            return task.result()
-        except EngineError as e:
-            raise ApiError(500, f"engine failure: {e}", "server_error") from None
-        finally:
-            if not task.done():
-                task.cancel()
-
-    def _sse_response(
+    def _stream(
         self,
         stream: RequestStream,
         params: SamplingParams,
-        make_chunk: Any,
+        ids: ReplyIds,
+        make_chunk: MakeChunk,
         first: dict[str, Any] | None,
         include_usage: bool,
-        rid: str,
-        created: int,
-        obj: str,
     ) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
-            delta = TextDelta(params)
-            it = stream.__aiter__()
-            try:
-                if first is not None:
-                    yield sse_event(first)
-                last: RequestOutput | None = None
-                async for out in it:
-                    last = out
-                    d = delta.next(out)
-                    finish = finish_reason_of(out) if out.finished else None
-                    if d or out.finished:
-                        yield sse_event(make_chunk(d, finish))
-                if include_usage and last is not None:
-                    usage_chunk = {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": usage_of(last),
-                    }
-                    yield sse_event(usage_chunk)
-                yield "data: [DONE]\n\n"
-            except EngineError as e:  # headers are sent: report in-band, as OpenAI does
-                self.metrics.http_errors[500] += 1
-                err = ApiError(500, f"engine failure: {e}", "server_error")
-                yield sse_event(error_body(err))
-                yield "data: [DONE]\n\n"
-            finally:
-                if not stream.finished:
-                    self.engine.abort(stream.request_id)
+        def engine_failed() -> None:
+            self.metrics.http_errors[500] += 1
 
-        return EventStream(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return sse_response(
+            stream,
+            params,
+            ids,
+            make_chunk,
+            first=first,
+            include_usage=include_usage,
+            abort=self.engine.abort,
+            on_engine_error=engine_failed,
         )
 
     # -- the rest --
