@@ -31,6 +31,7 @@ from specbatch.distributed.init import (
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.worker.executor import num_kv_blocks_from_budget
+from specbatch.worker.ray_failures import describe_failures
 from specbatch.worker.ray_rank import RankWorker
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_INIT_TIMEOUT_S = 900.0
 CPU_BUNDLE = 0.01  # logical CPUs a CPU rank reserves: places it without starving other tasks
 LOCAL_OBJECT_STORE_BYTES = 256 << 20  # plans and results are a few KiB
-_FAILURE_GRACE_S = 2.0  # after one rank fails, how long to wait for the others' own errors
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -260,50 +260,20 @@ class RayExecutor:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            detail = self._describe(refs, f"no reply within {timeout:g} s (hung?)")
+            detail = describe_failures(
+                refs, self.locations, f"no reply within {timeout:g} s (hung?)"
+            )
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, InvalidInputError):  # a user error on a rank: no wrapping
                 self._fail(str(cause))
                 raise InvalidInputError(str(cause)) from None
-            detail = self._describe(refs, "")
+            detail = describe_failures(refs, self.locations, "")
         except ray.exceptions.RayError:
-            detail = self._describe(refs, "")
+            detail = describe_failures(refs, self.locations, "")
         message = f"tensor-parallel worker failure during {what}: {detail}"
         self._fail(message)
         raise EngineError(message) from None
-
-    def _describe(self, refs: list[Any], pending: str) -> str:
-        """One clause per rank that failed (or, with ``pending``, has not answered)."""
-        import ray
-
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_FAILURE_GRACE_S)
-        done = set(ready)
-        clauses = []
-        for rank, ref in enumerate(refs):
-            where = self._where(rank)
-            if ref not in done:
-                if pending:
-                    clauses.append(f"rank {rank}{where}: {pending}")
-                continue
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError:
-                clauses.append(f"rank {rank}{where}: its actor process died")
-            except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None) or e
-                text = str(cause).strip().splitlines()
-                first = text[0] if text else ""
-                clauses.append(f"rank {rank}{where}: raised {type(cause).__name__}: {first}")
-            except ray.exceptions.RayError as e:
-                clauses.append(f"rank {rank}{where}: {type(e).__name__}")
-        return "; ".join(clauses) or "unknown Ray error"
-
-    def _where(self, rank: int) -> str:
-        if rank < len(self.locations):
-            _, ip, pid = self.locations[rank]
-            return f" (pid {pid} on {ip})"
-        return ""
 
     # ---- tear-down -------------------------------------------------------------------------
     def _fail(self, message: str) -> None:
