@@ -41,6 +41,25 @@ def sampling_class(params: SamplingParams) -> SamplingClass:
     return (round(params.temperature * 20) / 20, round(params.top_p * 20) / 20, params.top_k)
 
 
+def beta_prior_strength(rows: Sequence[tuple[SamplingClass, int, int]]) -> float | None:
+    """Empirical Bayes (method of moments): the pseudo-draws at its class's mean that a
+    request's alpha is worth, from finished requests' (class, accepted, tested) with 10+ tested
+    drafts each: the spread of their rates around their class's mean beyond what their own
+    sampling noise explains. None with fewer than 8 such requests; clipped to 2..200."""
+    rows = [(k, a, t) for k, a, t in rows if t >= 10]
+    if len(rows) < 8:
+        return None
+    counts = np.array([(a, t) for _, a, t in rows], dtype=float)
+    rates = counts[:, 0] / counts[:, 1]
+    index: dict[SamplingClass, int] = {}
+    cls = np.array([index.setdefault(k, len(index)) for k, _, _ in rows])
+    centre = (np.bincount(cls, weights=rates) / np.bincount(cls))[cls]
+    noise = float(np.mean(centre * (1 - centre) / counts[:, 1]))
+    spread = max(float(np.mean((rates - centre) ** 2)) - noise, 1e-4)
+    mean = float(rates.mean())
+    return float(np.clip(mean * (1 - mean) / spread - 1, 2.0, 200.0))
+
+
 class AcceptanceEstimates:
     """The alphas and position factors ``AdaptiveDraftLength`` prices its plans with."""
 
@@ -129,19 +148,9 @@ class AcceptanceEstimates:
         if not self._seen_changed:
             return
         self._seen_changed = False
-        rows = [(k, a, t) for k, a, t in self._seen.values() if t >= 10]
-        if len(rows) < 8:
-            return
-        counts = np.array([(a, t) for _, a, t in rows], dtype=float)
-        rates = counts[:, 0] / counts[:, 1]
-        index: dict[SamplingClass, int] = {}
-        cls = np.array([index.setdefault(k, len(index)) for k, _, _ in rows])
-        centre = (np.bincount(cls, weights=rates) / np.bincount(cls))[cls]
-        noise = float(np.mean(centre * (1 - centre) / counts[:, 1]))
-        spread = max(float(np.mean((rates - centre) ** 2)) - noise, 1e-4)
-        mean = float(rates.mean())
-        strength = mean * (1 - mean) / spread - 1
-        self.prior_strength = float(np.clip(strength, 2.0, 200.0))
+        strength = beta_prior_strength(list(self._seen.values()))
+        if strength is not None:
+            self.prior_strength = strength
 
     def position_factors(self, key: SamplingClass) -> np.ndarray:
         """[J]: how a class's drafts at each position were accepted, given the drafts before
