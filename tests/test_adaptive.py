@@ -20,7 +20,7 @@ from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
 from specbatch.scheduler.acceptance import sampling_class
-from specbatch.scheduler.adaptive import AdaptiveDraftLength
+from specbatch.scheduler.adaptive import FAR_MARGIN, AdaptiveDraftLength
 from specbatch.scheduler.output import (
     RequestStepResult,
     ScheduledRequest,
@@ -104,9 +104,10 @@ def test_mixed_batch_gives_each_request_its_own_gamma():
 
 def test_moves_one_position_per_replan_except_to_plain_or_to_a_well_measured_depth():
     # drafts are free: the best plan is the deepest, but from a plan 1 deep the next may be 2
-    # deep at most, while depths 3-4 rest on no step at this batch size
+    # deep at most, while depths 3-4 rest on no step at this batch size (at alpha 0.5 depth 4
+    # returns 1.94 tokens a round against depth 2's 1.75: less than FAR_MARGIN more)
     p = policy(4, (1.0, 0.0), (0.0, 0.0))
-    alphas, caps = [0.9] * 3, [4] * 3
+    alphas, caps = [0.5] * 3, [4] * 3
     assert p.choose(alphas, caps, shape(3)) == [4] * 3
     assert p.choose(alphas, caps, shape(3), around=1) == [2] * 3
     assert p.choose(alphas, caps, shape(3), around=3) == [4] * 3
@@ -117,6 +118,15 @@ def test_moves_one_position_per_replan_except_to_plain_or_to_a_well_measured_dep
     # drafts cost more than they return: plain decoding is open from any depth
     p = policy(4, (1.0, 0.0), (1.0, 0.0))
     assert p.choose([0.6] * 3, caps, shape(3), around=4) == [0] * 3
+
+
+def test_jumps_to_an_unmeasured_depth_that_wins_by_more_than_its_price_may_err():
+    # requests that accept nearly every draft (repetitive code) after a plan 2 deep: depth 4
+    # returns 4.9 tokens a round against depth 3's 3.94, far more than FAR_MARGIN
+    p = policy(4, (1.0, 0.0), (0.0, 0.0))
+    assert p.choose([0.99] * 3, [4] * 3, shape(3), around=2) == [4] * 3
+    expected = [expected_tokens_per_round(0.99, g) for g in (3, 4)]
+    assert expected[1] > expected[0] * (1 + FAR_MARGIN)
 
 
 def test_respects_the_cap():

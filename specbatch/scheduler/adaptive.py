@@ -40,6 +40,7 @@ from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
 
 PLAUSIBLE = 0.5  # explore plans without drafts while priced at this share of the best or more
+FAR_MARGIN = 0.15  # how much a depth far from those measured must win by (see ``_trusted``)
 
 
 class AdaptiveDraftLength:
@@ -235,8 +236,9 @@ class AdaptiveDraftLength:
         bursts.
         ``per_request=False`` prices the uniform plans only.
         ``around``, the deepest draft of the plan this one replaces, limits the new plan's
-        deepest draft to one position either side of it, to 0, or to a depth whose step time
-        rests on ``well_measured`` steps at this batch size (``_trusted``); None: any depth.
+        deepest draft to one position either side of it, to 0, to a depth whose step time
+        rests on ``well_measured`` steps at this batch size (``_trusted``), or to a depth whose
+        uniform plan beats the best of those by ``FAR_MARGIN``; None: any depth.
         """
         n = len(alphas)
         g_max = max(caps, default=0)
@@ -260,6 +262,8 @@ class AdaptiveDraftLength:
         )
         rates = plans.tokens / seconds
         trusted = self._trusted(shape.num_seqs, g_max, around)
+        far_ok = rates[: g_max + 1] >= rates[: g_max + 1][trusted].max() * (1 + FAR_MARGIN)
+        trusted |= far_ok
         u = int(np.argmax(np.where(trusted, rates[: g_max + 1], -np.inf)))
         # starting or stopping drafting pays a margin, against flapping between the two
         stay = min(self._depth, g_max)
@@ -295,7 +299,11 @@ class AdaptiveDraftLength:
         there ran 9-20% above it, so the policy jumped from depth 1 to 6-8 for a replan's
         steps). So a plan moves at most one position deeper or shallower per replan, where
         exploration keeps the step times measured, except to plain decoding or to a depth
-        measured on ``well_measured`` steps or more at this batch size."""
+        measured on ``well_measured`` steps or more at this batch size. ``choose`` opens the
+        other depths too where they win by more than such prices err (``FAR_MARGIN``): at batch
+        1, a request that accepts nearly every draft (repetitive code) after one that accepts
+        two in three wants 8 drafts, not one more than the last plan's 2, and a request lives
+        for a few replans only."""
         ok = np.ones(g_max + 1, dtype=bool)
         if around is None:
             return ok
