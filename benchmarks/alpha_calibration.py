@@ -41,13 +41,12 @@ from specbatch.bench.cells import run_cell
 from specbatch.bench.offline import DEFAULT_OUTPUT_LEN_SPREAD, default_num_requests
 from specbatch.bench.workload import build_workload, spread_output_lengths
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.acceptance import beta_prior_strength
+from specbatch.scheduler.acceptance import beta_prior_strength, sampling_class
 from specbatch.scheduler.alpha_prior import GridPrior
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.speculation import FixedDraftLength
 
 BINS = (0.0, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9, 1.0)
-CLASS = (0.0, 1.0, 0)  # greedy: the one sampling class of this workload
 
 
 class RoundRecorder(WrappedPolicy):
@@ -128,7 +127,8 @@ def main() -> None:
     accepted = np.array([r[:, 0].sum() for r in learn])
     tested = np.array([r[:, 1].sum() for r in learn])
     centre = float(accepted.sum() / tested.sum())
-    strength = beta_prior_strength([(CLASS, int(a), int(t)) for a, t in zip(accepted, tested)])
+    key = sampling_class(params)  # the one sampling class of this workload
+    strength = beta_prior_strength([(key, int(a), int(t)) for a, t in zip(accepted, tested)])
     assert strength is not None, "too few requests: raise --rounds"
     histogram = GridPrior(accepted, tested)
     priors = {

@@ -261,10 +261,10 @@ class AdaptiveDraftLength:
             plans.sizes,
         )
         rates = plans.tokens / seconds
+        uniform_rates = rates[: g_max + 1]
         trusted = self._trusted(shape.num_seqs, g_max, around)
-        far_ok = rates[: g_max + 1] >= rates[: g_max + 1][trusted].max() * (1 + FAR_MARGIN)
-        trusted |= far_ok
-        u = int(np.argmax(np.where(trusted, rates[: g_max + 1], -np.inf)))
+        trusted |= uniform_rates >= uniform_rates[trusted].max() * (1 + FAR_MARGIN)
+        u = int(np.argmax(np.where(trusted, uniform_rates, -np.inf)))
         # starting or stopping drafting pays a margin, against flapping between the two
         stay = min(self._depth, g_max)
         flips = (u == 0) != (stay == 0)
