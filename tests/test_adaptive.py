@@ -488,6 +488,33 @@ def test_a_uniform_plan_does_not_stand_for_a_request_of_another_sampling_class()
     assert len(calls) == 1
 
 
+def test_one_request_gets_the_depth_for_its_alpha_at_every_step_between_replans():
+    # a draft pass costs a fifth of a target one: the best depth grows with alpha
+    p = policy(8, (0.01, 0.0), (0.002, 0.0), calibration_rounds=0, explore_every=1000)
+    p.well_measured = 0  # every depth's price trusted: this test is about when it is read
+    calls = count_choices(p)
+    easy = make_request("easy", 4, 500)
+    for _ in range(p.replan_every):  # past a new batch size's first steps
+        p.draft_lengths([easy])
+    calls.clear()
+    start = p.draft_lengths([easy])[0]  # at the prior's alpha (0.7), no drafts seen yet
+    easy.spec.accepted, easy.spec.rejections = 200, 1
+    deep = p.draft_lengths([easy])[0]
+    easy.spec.accepted, easy.spec.rejections = 200, 200
+    shallow = p.draft_lengths([easy])[0]
+    assert shallow < start < deep == 8
+    assert len(calls) == 1  # one replan priced the depths; the alphas chose among them
+    # a new request does not inherit the depth chosen for the one before it
+    easy.spec.accepted, easy.spec.rejections = 200, 1
+    assert p.draft_lengths([easy]) == [8]
+    assert p.draft_lengths([make_request("next", 4, 500)]) == [start]
+    assert len(calls) == 1
+    # and the prices are remade at the periodic replan
+    for _ in range(p.replan_every):
+        p.draft_lengths([easy])
+    assert len(calls) == 2
+
+
 def test_replans_less_often_where_a_replan_is_dear_against_a_step():
     def replans(step_seconds: float) -> int:
         p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)

@@ -15,7 +15,8 @@ maximise the batch's expected emitted tokens per second::
 * KV blocks: when given the KV manager, the policy never plans more draft slots than the free
   blocks hold (the scheduler shrinks further if needed; it never preempts for drafts).
 * The choice is remade periodically at each batch size; in between, the last plan made there
-  stands (``ReplanClock``, replans.py).
+  stands (``ReplanClock``, replans.py), except that a batch of one request gets the depth for
+  its alpha at every step, priced at the last replan (``OneRequestPrices``).
 
 The choice reads only counters of earlier rounds and earlier step times, never this round's
 random draws, so the output distribution is untouched (exactness holds for any gamma).
@@ -35,7 +36,7 @@ from specbatch.scheduler.acceptance import AcceptanceEstimates
 from specbatch.scheduler.candidate_plans import CandidatePlans, per_request_plans, uniform_plans
 from specbatch.scheduler.draft_room import binding, draft_caps, fit_free_blocks
 from specbatch.scheduler.output import SchedulerOutput, StepResult
-from specbatch.scheduler.replans import Plan, ReplanClock
+from specbatch.scheduler.replans import OneRequestPrices, Plan, ReplanClock
 from specbatch.scheduler.speculation import StepShape
 from specbatch.scheduler.step_cost import StepCostModel
 
@@ -81,6 +82,7 @@ class AdaptiveDraftLength:
         self.replans = ReplanClock(replan_every)
         self._per_request_won: dict[int, bool] = {}  # per bucket: did its last search win
         self._plain_share = 1.0  # the last replan's rate without drafts over its chosen rate
+        self._prices: OneRequestPrices | None = None  # the last one-request replan's prices
 
     @property
     def lazy_draft(self) -> bool:
@@ -120,9 +122,13 @@ class AdaptiveDraftLength:
         )
         if gammas is None:
             started = time.perf_counter()
+            self._prices = None
             gammas = self._plan(requests, caps, shape, bucket, periodic)
-            plan = Plan.of(ids, shape, step, gammas, caps, classes)
+            plan = Plan.of(ids, shape, step, gammas, caps, classes, self._prices)
             self.replans.record(bucket, plan, seen, periodic, time.perf_counter() - started)
+        elif len(requests) == 1 and (prices := self.replans.prices(bucket)) is not None:
+            alpha = self.estimates.alpha_of(requests[0])
+            gammas = [prices.best(alpha, caps[0], self._depth, self.switch_margin)]
         self._depth = max(gammas, default=0)
         if self._explores(seen, len(requests)):
             gammas = self._explore(gammas, caps, requests, seen)
@@ -272,6 +278,10 @@ class AdaptiveDraftLength:
             u = stay
         best = uniform[u]
         self._plain_share = float(rates[0] / rates[u])
+        if n == 1:  # kept for the steps until the next replan (replans.py)
+            f = np.ones(g_max) if factors is None else factors[:g_max, 0]
+            allowed = np.where(trusted, seconds, np.inf)
+            self._prices = OneRequestPrices(tuple(allowed.tolist()), tuple(f.tolist()))
         if not search:
             return [int(g) for g in best]
         best_rate = float(rates[u]) * (1 + self.uniform_margin)

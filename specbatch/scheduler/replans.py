@@ -11,6 +11,13 @@ plan made at that batch size stands, if no older than two intervals:
   goes one request thinner and back with every request that finishes; a request sampled
   otherwise accepts drafts at another rate and gets a plan of its own).
 
+A plan for a batch of one request keeps its prices instead (``OneRequestPrices``): in between
+the replans that price the depths, the depth is chosen again at every step from those prices
+and the request's alpha then. At batch 1 a request lives for one or two periodic replans: with
+its plan standing, a request that turned out to accept every draft kept the one draft planned
+from its first rounds for 20 steps, and one that accepts a draft in three inherited the 8
+planned for an easy request before it.
+
 The period is ``replan_every`` steps, or longer where replans would take more than
 ``PLAN_BUDGET`` of the step time (up to four times as long).
 """
@@ -20,10 +27,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specbatch.scheduler.acceptance import SamplingClass
+from specbatch.scheduler.acceptance import ALPHA_CAP, SamplingClass
 from specbatch.scheduler.speculation import StepShape
 
 PLAN_BUDGET = 0.0025  # the share of the step time the periodic replans may take
+
+
+@dataclass(frozen=True)
+class OneRequestPrices:
+    """What a replan for a batch of one request priced: the step time of each deepest draft
+    it allowed (``inf`` where it did not), and the request's class's position factors."""
+
+    seconds: tuple[float, ...]  # [G + 1]
+    factors: tuple[float, ...]  # [G]
+
+    def best(self, alpha: float, cap: int, current: int, switch_margin: float) -> int:
+        """The depth with the most expected tokens a second at ``alpha``, up to ``cap``;
+        starting or stopping drafting (against ``current``) must win by ``switch_margin``, as
+        in ``AdaptiveDraftLength.choose``. Plain Python: it runs at every step at batch 1."""
+        rates = [1.0 / self.seconds[0]]
+        tokens = gain = 1.0
+        for g in range(1, min(cap, len(self.factors)) + 1):
+            gain *= min(self.factors[g - 1] * alpha, ALPHA_CAP)
+            tokens += gain
+            rates.append(tokens / self.seconds[g])
+        best = max(range(len(rates)), key=rates.__getitem__)
+        stay = min(current, len(rates) - 1)
+        if (best == 0) != (stay == 0) and rates[best] < rates[stay] * (1 + switch_margin):
+            return stay
+        return best
 
 
 @dataclass(frozen=True)
@@ -36,6 +68,7 @@ class Plan:
     gammas: list[int]
     uniform_depth: int | None  # G when every request got min(G, its cap), else None
     classes: frozenset[SamplingClass]  # the sampling classes of the batch it was made for
+    prices: OneRequestPrices | None = None  # a batch of one request: what its replan priced
 
     @classmethod
     def of(
@@ -46,10 +79,11 @@ class Plan:
         gammas: list[int],
         caps: list[int],
         classes: frozenset[SamplingClass],
+        prices: OneRequestPrices | None = None,
     ) -> Plan:
         depth = max(gammas, default=0)
         uniform = all(g == min(depth, c) for g, c in zip(gammas, caps))
-        return cls(ids, shape, step, gammas, depth if uniform else None, classes)
+        return cls(ids, shape, step, gammas, depth if uniform else None, classes, prices)
 
 
 class ReplanClock:
@@ -86,6 +120,11 @@ class ReplanClock:
         if last.uniform_depth is not None and classes <= last.classes:
             return [min(last.uniform_depth, c) for c in caps]
         return None
+
+    def prices(self, bucket: int) -> OneRequestPrices | None:
+        """The prices of the last plan at this bucket, if it was made for one request."""
+        last = self.plans.get(bucket)
+        return None if last is None else last.prices
 
     def record(self, bucket: int, plan: Plan, seen: int, periodic: bool, seconds: float) -> None:
         """A new plan at the bucket's ``seen``-th step, that took ``seconds`` to choose."""
