@@ -515,6 +515,18 @@ def test_one_request_gets_the_depth_for_its_alpha_at_every_step_between_replans(
     assert len(calls) == 2
 
 
+def test_one_requests_per_step_choice_agrees_with_the_replans():
+    # OneRequestPrices.best re-decides in plain Python what choose decides in NumPy: at the
+    # alpha and last depth of a replan, both pick the same depth
+    p = policy(8, (0.01, 0.0), (0.003, 0.0))
+    for alpha in np.linspace(0.05, 0.99, 40):
+        for last in (0, 1, 3, 8):
+            p._depth = last
+            chosen = p.choose([float(alpha)], [8], shape(1), around=last)
+            best = p._prices.best(float(alpha), 8, last, p.switch_margin)
+            assert [best] == chosen, (alpha, last)
+
+
 def test_replans_less_often_where_a_replan_is_dear_against_a_step():
     def replans(step_seconds: float) -> int:
         p = policy(4, (1.0, 0.0), (0.1, 0.0), calibration_rounds=0, explore_every=1000)
