@@ -186,22 +186,24 @@ def test_auto_is_set_beside_the_best_fixed_length_round_by_round() -> None:
     assert auto_vs_fixed(cells[:3]) == {}  # no auto row
 
 
+@pytest.mark.parametrize("interleave", ["steps", "cells"])
 def test_each_repeat_runs_prompts_of_its_own(
-    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, interleave: str
 ) -> None:
-    from specbatch.bench import offline
+    from specbatch.bench import cell_run, offline
 
     measured: list[tuple[int, int, int, tuple[tuple[int, ...], ...]]] = []
-    run_cell = offline.run_cell
 
-    def recording(engine, workload, batch_size, num_requests, params, **kw):
-        first = kw.get("first_prompt", 0)
-        if num_requests == 3:  # a measured run, not a warm-up
-            prompts = tuple(tuple(workload.prompt(first + i)) for i in range(num_requests))
-            measured.append((batch_size, engine.config.num_speculative_tokens, first, prompts))
-        return run_cell(engine, workload, batch_size, num_requests, params, **kw)
+    class Recording(cell_run.CellRun):
+        def __init__(self, engine, workload, batch_size, num_requests, params, **kw):
+            first = kw.get("first_prompt", 0)
+            if num_requests == 3:  # a measured run, not a warm-up
+                prompts = tuple(tuple(workload.prompt(first + i)) for i in range(num_requests))
+                measured.append((batch_size, engine.config.num_speculative_tokens, first, prompts))
+            super().__init__(engine, workload, batch_size, num_requests, params, **kw)
 
-    monkeypatch.setattr(offline, "run_cell", recording)
+    monkeypatch.setattr(offline, "CellRun", Recording)  # side by side
+    monkeypatch.setattr(cell_run, "CellRun", Recording)  # alone (run_cell)
     cfg = offline.BenchConfig(
         model=str(make_checkpoint("llama", num_layers=1, seed=0)),
         draft_model=str(make_checkpoint("llama", num_layers=1, seed=1)),
@@ -211,6 +213,7 @@ def test_each_repeat_runs_prompts_of_its_own(
         input_len=4,
         output_len=3,
         repeats=2,
+        interleave=interleave,
         engine_kwargs={"device": "cpu"},
     )
     offline.run_bench(cfg, progress=False)

@@ -1,19 +1,13 @@
-"""One cell of the offline bench (a batch size and a draft length): running it closed-loop, its
-figures, and how the cells compare with plain decoding (speedups, THEORY.md's prediction, the
-crossover batch size). The grid around them is ``offline.py``."""
+"""One cell of the offline bench (a batch size and a draft length): its figures, and how the
+cells compare with plain decoding (speedups, THEORY.md's prediction, the crossover batch size).
+Running a cell is ``cell_run.py``; the grid around them is ``offline.py``."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specbatch.bench.workload import Workload
-from specbatch.engine.llm_engine import LLMEngine
-from specbatch.engine.metrics import EngineMetrics
-from specbatch.errors import InvalidInputError
-from specbatch.sampling_params import SamplingParams
 from specbatch.stats import percentile
 from specbatch.theory import predicted_speedup
 
@@ -86,7 +80,7 @@ class CellResult:
 LATENCIES = ("tpot", "ttft", "e2e")
 
 
-def _latency_figures(latencies: dict[str, list[float]]) -> dict[str, float | None]:
+def latency_figures(latencies: dict[str, list[float]]) -> dict[str, float | None]:
     """Mean, p50 and p99 of each latency: ``tpot_mean``, ``tpot_p50``, ... ``e2e_p99``."""
     figures: dict[str, float | None] = {}
     for name in LATENCIES:
@@ -97,89 +91,6 @@ def _latency_figures(latencies: dict[str, list[float]]) -> dict[str, float | Non
             f"{name}_p99": percentile(xs, 99),
         }
     return figures
-
-
-def run_cell(
-    engine: LLMEngine,
-    workload: Workload,
-    batch_size: int,
-    num_requests: int,
-    params: SamplingParams,
-    *,
-    on_finished: Callable[[], None] | None = None,
-    first_prompt: int = 0,
-) -> CellResult:
-    """Keep ``batch_size`` requests running until ``num_requests`` have finished."""
-    if batch_size < 1 or num_requests < 1:
-        raise InvalidInputError("batch sizes and request counts must be >= 1")
-    engine.metrics = EngineMetrics()
-    submitted = 0
-    finished: list[Any] = []
-    live: set[str] = set()
-
-    def submit() -> None:
-        nonlocal submitted
-        i = first_prompt + submitted
-        rid = engine.add_request(workload.prompt(i), workload.params(i, params))
-        live.add(rid)
-        submitted += 1
-
-    start = time.perf_counter()
-    full_batch: tuple[float, int] | None = None  # (seconds, tokens) when the last one came in
-    try:
-        for _ in range(min(batch_size, num_requests)):
-            submit()
-        while live:
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.discard(out.request_id)
-                    finished.append(out)
-                    if on_finished is not None:
-                        on_finished()
-                    if submitted < num_requests:
-                        submit()
-                        if submitted == num_requests:
-                            elapsed = time.perf_counter() - start
-                            full_batch = (elapsed, engine.metrics.num_generated_tokens)
-    except BaseException:
-        engine.abort_request(list(live))
-        raise
-    wall = time.perf_counter() - start
-    m = engine.metrics
-    s = m.spec
-    latencies = {
-        "tpot": [t for o in finished if (t := o.metrics.time_per_output_token) is not None],
-        "ttft": [t for o in finished if (t := o.metrics.time_to_first_token) is not None],
-        "e2e": [t for o in finished if (t := o.metrics.e2e_latency) is not None],
-    }
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    steps = max(m.num_steps, 1)
-    return CellResult(
-        batch_size=batch_size,
-        draft_length=engine.scheduler.policy.max_draft_length if engine.config.speculative else 0,
-        num_requests=len(finished),
-        input_len=workload.input_len,
-        output_len=workload.output_len,
-        wall_s=wall,
-        output_tokens=out_tokens,
-        engine_generated_tokens=m.num_generated_tokens,
-        steps=m.num_steps,
-        output_tok_s=out_tokens / wall if wall > 0 else 0.0,
-        full_batch_tok_s=full_batch[1] / full_batch[0] if full_batch and full_batch[0] else None,
-        **_latency_figures(latencies),  # type: ignore[arg-type]
-        latencies=latencies,
-        step_s=m.step_time_total / steps,
-        target_s_per_step=m.target_time_total / steps,
-        draft_s_per_step=m.draft_time_total / steps,
-        spec_rounds=s.rounds,
-        draft_tokens_proposed=s.proposed,
-        draft_tokens_accepted=s.accepted,
-        acceptance_rate=s.acceptance_rate,
-        alpha=s.alpha,
-        mean_draft_length=s.mean_draft_length,
-        mean_tokens_per_round=s.mean_tokens_per_round,
-        predicted_tokens_per_round=s.predicted_tokens_per_round(),
-    )
 
 
 def median_cell(runs: list[CellResult]) -> CellResult:
@@ -195,7 +106,7 @@ def median_cell(runs: list[CellResult]) -> CellResult:
     cell.runs_tok_s = [c.output_tok_s for c in runs]
     cell.runs_tpot_mean = [c.tpot_mean for c in runs]
     cell.latencies = {n: [x for c in runs for x in c.latencies.get(n, [])] for n in LATENCIES}
-    for name, value in _latency_figures(cell.latencies).items():
+    for name, value in latency_figures(cell.latencies).items():
         setattr(cell, name, value)
     full = [c.full_batch_tok_s for c in runs if c.full_batch_tok_s is not None]
     cell.runs_full_batch_tok_s = full

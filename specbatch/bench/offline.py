@@ -6,11 +6,14 @@ kept full at B, which is what a server under load sees). Every request has the s
 length and generates exactly its output length (``ignore_eos``): ``output_len`` on average,
 spread uniformly by ``output_len_spread`` (``spread_output_lengths``; 0: all the same).
 
-Engines: one plain engine (the target alone) runs the draft length 0 cells, and one speculative
-engine built with the largest draft length runs every k > 0 cell, its scheduler's policy set to
-``FixedDraftLength(k)`` before the cell. Both stay up for the whole run, and the cells of one
-batch size run back to back, so speedups compare figures taken side by side: in rounds, one
-cell of each draft length a round, the order rotated from round to round (``rotated``).
+Engines: one per draft length (plain for 0, ``auto`` up to the grid's largest length), all up
+for the whole run and sharing the checkpoints' weights (``share_weights``). The cells of one
+batch size run in rounds, one cell of each draft length a round, so speedups compare figures
+taken side by side: by default (``interleave="steps"``) a round's cells run together, taking
+turns on the machine one engine step at a time, each figure in its engine's own time
+(cell_run.py), so that the machine's drift between and within cells falls on every draft
+length alike; with ``interleave="cells"`` they run one after another, each alone on the
+machine, in an order rotated from round to round (``rotated``).
 Before each cell a warm-up of ``min(B, 4)`` short requests runs, then the engine's counters are
 reset, so warm-up is excluded from every figure. Each repeat of a cell (``repeats``) runs the
 next ``num_requests`` prompts, the same for every draft length: greedy decoding replays a
@@ -36,24 +39,26 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from specbatch.bench.auto_vs_fixed import auto_vs_fixed
+from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
 from specbatch.bench.cells import (
     AUTO,
     CellResult,
     compare_with_plain,
     crossover,
     median_cell,
-    run_cell,
 )
 from specbatch.bench.workload import build_workload, mixed, spread_output_lengths
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.speculation import FixedDraftLength
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
@@ -62,6 +67,7 @@ DEFAULT_OUTPUT_LEN = 64
 DEFAULT_OUTPUT_LEN_SPREAD = 0.5
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 8
+INTERLEAVE = ("steps", "cells")
 
 
 def draft_length_arg(value: str) -> int:
@@ -122,6 +128,9 @@ class BenchConfig:
     # easy greedy requests in turn with hard ones sampled at this temperature
     mixed_hard_temperature: float | None = None
     seed: int = 0
+    # "steps": a round's cells side by side, a step at a time (cell_run.py); "cells": one
+    # after another, each engine alone on the machine
+    interleave: str = "steps"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more EngineArgs fields
 
     def check(self) -> None:
@@ -140,6 +149,9 @@ class BenchConfig:
             raise bad("num_requests", "must be >= 1")
         if self.repeats < 1:
             raise bad("repeats", "must be >= 1")
+        if self.interleave not in INTERLEAVE:
+            choices = ", ".join(INTERLEAVE)
+            raise bad("interleave", f"must be one of {choices}, got {self.interleave!r}")
         if self.max_draft_length > 0 and self.model is not None and self.draft_model is None:
             raise bad("draft_lengths", "above 0 need a draft model (--draft-model)")
 
@@ -185,17 +197,43 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
+    """The engine of draft length ``k``: plain for 0, ``auto`` up to the grid's largest."""
     model_len = cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
     args = EngineArgs(
         model=cfg.model,
-        draft_model=cfg.draft_model if k > 0 else None,
-        num_speculative_tokens=k,
+        draft_model=cfg.draft_model if k != 0 else None,
+        num_speculative_tokens="auto" if k == AUTO else k,
+        max_draft_length=cfg.max_draft_length,
         seed=cfg.seed,
         **kwargs,
     )
     return LLMEngine.from_engine_args(args)
+
+
+def share_weights(engines: Sequence[LLMEngine]) -> None:
+    """Point every in-process engine's target (and draft) at the first one's tensors: they are
+    the same checkpoint, and side by side (cell_run.py) each engine's step would otherwise
+    begin by reading its own copy back into the caches that the other engines' steps evicted,
+    which one engine running alone never does. Engines whose workers live elsewhere (Ray)
+    keep their own."""
+    first: dict[str, torch.nn.Module] = {}
+    for engine in engines:
+        worker = getattr(engine.executor, "worker", None)
+        if worker is None:
+            continue
+        for role in ("target", "draft"):
+            runner = getattr(worker, role)
+            if runner is None:
+                continue
+            source = first.setdefault(role, runner.model)
+            if source is runner.model:
+                continue
+            mine = dict(runner.model.named_parameters())
+            for name, tensor in source.named_parameters():
+                if mine[name].shape == tensor.shape and mine[name].dtype == tensor.dtype:
+                    mine[name].data = tensor.data
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
@@ -204,8 +242,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     t0 = time.perf_counter()
     sizes = sorted(set(cfg.batch_sizes))
     lengths = sorted(set(cfg.draft_lengths), key=draft_length_order)
-    spec_lengths = [k for k in lengths if k != 0]
-    k_max = cfg.max_draft_length
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=cfg.temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     total = sum(cfg.requests_for(b) for b in sizes) * len(lengths) * cfg.repeats
@@ -216,19 +252,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
     cells: list[CellResult] = []
     source = ""
-    # Both engines stay up, and the cells of one batch size run back to back, so that each
-    # speedup is a ratio of figures taken minutes apart at most, under the same machine load.
+    # One engine per draft length, all up for the whole run, so that the cells of a round can
+    # run side by side. The auto row's policy lives as long as its engine, as in a server: it
+    # calibrates in its first cell's warm-up and keeps learning from every later auto cell.
     engines: dict[int, LLMEngine] = {}
     try:
-        if 0 in lengths:
-            engines[0] = _engine(cfg, 0, max(sizes))
-        if spec_lengths:
-            engines[k_max] = _engine(cfg, k_max, max(sizes))
-        # the auto row's policy lives as long as its engine, as in a server: it calibrates in
-        # its first cell's warm-up and keeps learning from every later auto cell
-        auto = engines[k_max].adaptive_policy(k_max) if AUTO in lengths else None
+        for k in lengths:
+            engines[k] = _engine(cfg, k, max(sizes))
+        share_weights(list(engines.values()))
         workload = build_workload(
-            next(iter(engines.values())),
+            engines[lengths[0]],
             input_len=cfg.input_len,
             output_len=cfg.output_len,
             # every repeat of a cell runs prompts of its own (see the module's docstring)
@@ -237,29 +270,50 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             seed=cfg.seed,
         )
         if cfg.mixed_hard_temperature is not None:
-            tokenizer = next(iter(engines.values())).tokenizer
-            workload = mixed(workload, tokenizer, cfg.mixed_hard_temperature)
+            workload = mixed(workload, engines[lengths[0]].tokenizer, cfg.mixed_hard_temperature)
         workload = spread_output_lengths(workload, cfg.output_len_spread, cfg.seed)
         source = workload.source
+        on_finished = bar.update if bar is not None else None
         for b in sizes:
             runs: dict[int, list[CellResult]] = {k: [] for k in lengths}
+            n = cfg.requests_for(b)
             for r in range(cfg.repeats):  # rounds over the draft lengths, interleaved
-                for k in rotated(lengths, r):
-                    engine = engines[0 if k == 0 else k_max]
-                    if k != 0:
-                        engine.scheduler.policy = auto if k == AUTO else FixedDraftLength(k)
-                    if bar is not None:
-                        bar.set_description(f"bench B={b} k={'auto' if k == AUTO else k}")
-                    run_cell(engine, workload, b, min(b, WARMUP_REQUESTS), warm)
-                    cell = run_cell(
-                        engine,
-                        workload,
-                        b,
-                        cfg.requests_for(b),
-                        params,
-                        on_finished=bar.update if bar is not None else None,
-                        first_prompt=WARMUP_REQUESTS + r * cfg.requests_for(b),
-                    )
+                order = rotated(lengths, r)
+                if bar is not None:
+                    bar.set_description(f"bench B={b} round {r + 1}/{cfg.repeats}")
+                first = WARMUP_REQUESTS + r * n
+                if cfg.interleave == "steps":
+                    for k in order:
+                        run_cell(engines[k], workload, b, min(b, WARMUP_REQUESTS), warm)
+                    cell_runs = [
+                        CellRun(
+                            engines[k],
+                            workload,
+                            b,
+                            n,
+                            params,
+                            first_prompt=first,
+                            on_finished=on_finished,
+                        )
+                        for k in order
+                    ]
+                    results = run_side_by_side(cell_runs)
+                else:
+                    results = []
+                    for k in order:
+                        run_cell(engines[k], workload, b, min(b, WARMUP_REQUESTS), warm)
+                        results.append(
+                            run_cell(
+                                engines[k],
+                                workload,
+                                b,
+                                n,
+                                params,
+                                first_prompt=first,
+                                on_finished=on_finished,
+                            )
+                        )
+                for k, cell in zip(order, results):
                     cell.draft_length = k
                     runs[k].append(cell)
             cells.extend(median_cell(runs[k]) for k in lengths)
@@ -279,8 +333,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         cells=cells,
         summary=crossover(cells)
         | (
-            {"auto_profile_s": auto.profile_seconds, "auto_vs_fixed": auto_vs_fixed(cells)}
-            if auto is not None
+            {
+                "auto_profile_s": engines[AUTO].scheduler.policy.profile_seconds,
+                "auto_vs_fixed": auto_vs_fixed(cells),
+            }
+            if AUTO in engines
             else {}
         ),
         machine=machine_facts(),

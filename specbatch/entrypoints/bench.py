@@ -16,6 +16,7 @@ from specbatch.bench.offline import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
     DEFAULT_OUTPUT_LEN_SPREAD,
+    INTERLEAVE,
     draft_length_arg,
 )
 
@@ -29,8 +30,9 @@ FIELDS = (
     "temperature",
     "prompts",
 )
-# Engine flags the command sets itself, per engine.
-_OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_model_len")
+# Engine flags the command sets itself, per engine (auto's maximum: the largest K of
+# --draft-lengths).
+_OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_draft_length", "max_num_seqs", "max_model_len")
 
 DESCRIPTION = """\
 Offline load test. For every batch size B (requests running concurrently: the engine is kept
@@ -43,8 +45,10 @@ tokens per round, the draft/target cost ratio c, and the speedup over k=0 measur
 THEORY.md's prediction from alpha and c.
 Writes OUT.json, OUT.csv, OUT_throughput_latency.png and OUT_speedup.png.
 
-One plain engine runs the k=0 cells; one speculative engine built with the largest k runs the
-others, its draft length set per cell. Default model: the built-in pair; default prompts:
+One engine per draft length, sharing the weights. By default the cells of a round run side by
+side, taking turns on the machine a step at a time, each measured in its engine's own time
+(--interleave steps), so the machine's drift falls on every draft length alike; --interleave
+cells runs them one after another instead. Default model: the built-in pair; default prompts:
 windows of the pair's held-out stdlib files."""
 
 
@@ -122,6 +126,13 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         "and report the run of median throughput (default: 1)",
     )
     p.add_argument(
+        "--interleave",
+        choices=INTERLEAVE,
+        default="steps",
+        help="steps: a round's cells side by side, in turns of one engine step, each timed on "
+        "its own clock; cells: one after another, each alone on the machine (default: steps)",
+    )
+    p.add_argument(
         "--mixed",
         type=float,
         default=None,
@@ -180,6 +191,7 @@ def config_from(args: argparse.Namespace) -> Any:
         temperature=args.temperature,
         mixed_hard_temperature=args.mixed,
         repeats=args.repeats,
+        interleave=args.interleave,
         seed=args.seed,
         engine_kwargs=engine_kwargs,
     )
