@@ -37,7 +37,7 @@ from common import (
     write_json,
 )
 
-from specbatch.bench.cells import run_cell
+from specbatch.bench.cell_run import run_cell
 from specbatch.bench.offline import DEFAULT_OUTPUT_LEN_SPREAD, default_num_requests
 from specbatch.bench.workload import build_workload, spread_output_lengths
 from specbatch.sampling_params import SamplingParams

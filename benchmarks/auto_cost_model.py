@@ -30,7 +30,7 @@ from common import (
     write_json,
 )
 
-from specbatch.bench.cells import run_cell
+from specbatch.bench.cell_run import run_cell
 from specbatch.bench.workload import build_workload
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, format_table, machine_info, set_threads, write_json
 
-from specbatch.bench.cells import run_cell
+from specbatch.bench.cell_run import run_cell
 from specbatch.bench.workload import Workload, build_workload
 from specbatch.config import EngineArgs, default_model_path
 from specbatch.engine.llm_engine import LLMEngine
