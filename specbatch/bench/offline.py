@@ -232,8 +232,7 @@ def share_weights(engines: Sequence[LLMEngine]) -> None:
                 continue
             mine = dict(runner.model.named_parameters())
             for name, tensor in source.named_parameters():
-                if mine[name].shape == tensor.shape and mine[name].dtype == tensor.dtype:
-                    mine[name].data = tensor.data
+                mine[name].data = tensor.data
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
