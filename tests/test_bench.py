@@ -134,26 +134,42 @@ def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "repeats must be >= 1" in capsys.readouterr().err
 
 
-def test_repeats_report_the_median_run() -> None:
-    from specbatch.bench.cells import median_cell
+def test_repeats_pool_every_run() -> None:
+    from specbatch.bench.cells import pool_runs
+    from specbatch.request import SpecStats
 
     runs = [_cell(1, 2, tok_s) for tok_s in (120.0, 100.0, 140.0)]
-    assert median_cell(runs).output_tok_s == 120.0
-    assert median_cell(runs).runs_tok_s == [120.0, 100.0, 140.0]
-    assert median_cell(runs[:2]).output_tok_s == 100.0  # even count: the lower one
-    for run, full in zip(runs, (90.0, 150.0, 110.0)):
+    figures = ((1.0, 120, 40, 90.0), (2.0, 200, 60, 150.0), (1.0, 140, 100, 110.0))
+    for run, (wall, tokens, steps, full) in zip(runs, figures):
+        run.wall_s, run.output_tokens, run.steps = wall, tokens, steps
+        run.step_s = wall / steps
         run.full_batch_tok_s = full
-    # the full-batch figure is its own median, not the median run's
-    assert median_cell(runs).full_batch_tok_s == 110.0
+        run.spec = SpecStats()
+    runs[0].spec.record(2, 2)  # 3 tokens, no rejection
+    runs[1].spec.record(2, 0)  # 1 token, a rejection at the first draft
+    runs[2].spec.record(2, 1)  # 2 tokens, a rejection at the second
+    cell = pool_runs(runs)
+    # tokens over time, both summed: the 2-second run weighs twice
+    assert cell.output_tok_s == pytest.approx(460 / 4.0)
+    assert cell.wall_s == 4.0 and cell.output_tokens == 460 and cell.steps == 200
+    assert cell.num_requests == 3 and cell.runs_tok_s == [120.0, 100.0, 140.0]
+    assert cell.step_s == pytest.approx(4.0 / 200)  # weighted by steps
+    assert cell.spec_rounds == 3 and cell.draft_tokens_proposed == 6
+    assert cell.alpha == pytest.approx(3 / 5) and cell.acceptance_rate == pytest.approx(0.5)
+    assert cell.mean_tokens_per_round == pytest.approx(2.0)
+    # the full-batch figure is the median of the runs' own
+    assert cell.full_batch_tok_s == 110.0
     # latencies are over every run's requests: the repeats ran different prompts
     for run, tpots in zip(runs, ([0.010, 0.012], [0.020], [0.030, 0.040, 0.050])):
         run.latencies = {"tpot": tpots, "ttft": [0.1] * len(tpots)}
         run.tpot_mean = sum(tpots) / len(tpots)
-    cell = median_cell(runs)
+    cell = pool_runs(runs)
     assert cell.tpot_mean == pytest.approx(0.162 / 6)
     assert cell.runs_tpot_mean == pytest.approx([0.011, 0.020, 0.040])  # each run's own
     assert cell.tpot_p99 == pytest.approx(0.0495) and cell.ttft_mean == pytest.approx(0.1)
-    assert cell.e2e_mean is None and "latencies" not in cell.to_dict()
+    d = cell.to_dict()
+    assert cell.e2e_mean is None and "latencies" not in d and "spec" not in d
+    assert pool_runs(runs[:1]).output_tok_s == 120.0
 
 
 def test_auto_is_set_beside_the_best_fixed_length_round_by_round() -> None:

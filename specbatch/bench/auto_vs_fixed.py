@@ -1,9 +1,9 @@
 """The ``auto`` row against the best fixed draft length at each batch size.
 
-The best fixed length is the one of highest median throughput (0 included). Two views:
+The best fixed length is the one of highest throughput (0 included). Two views:
 
-* ``tok_ratio`` and ``tpot_ratio``: the cells' own figures (median run's tok/s; mean TPOT over
-  every run's requests), as the bench's table shows them;
+* ``tok_ratio`` and ``tpot_ratio``: the cells' own figures (tok/s and mean TPOT over all the
+  runs, ``pool_runs``), as the bench's table shows them;
 * ``round_tok_ratios`` and ``round_tpot_ratios``: round by round, where both ran the same
   prompts (each repeat has prompts of its own), so the machine's drift between rounds and the
   prompts' differences cancel; their medians say what most rounds showed, one slow round

@@ -16,13 +16,14 @@ tokens over that time; a request's latencies are read on the same clock.
 from __future__ import annotations
 
 import bisect
+import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from specbatch.bench.cells import CellResult, latency_figures
+from specbatch.bench.cells import CellResult, latency_figures, spec_figures
 from specbatch.bench.workload import Workload
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
@@ -172,14 +173,8 @@ class CellRun:
             step_s=m.step_time_total / steps,
             target_s_per_step=m.target_time_total / steps,
             draft_s_per_step=m.draft_time_total / steps,
-            spec_rounds=s.rounds,
-            draft_tokens_proposed=s.proposed,
-            draft_tokens_accepted=s.accepted,
-            acceptance_rate=s.acceptance_rate,
-            alpha=s.alpha,
-            mean_draft_length=s.mean_draft_length,
-            mean_tokens_per_round=s.mean_tokens_per_round,
-            predicted_tokens_per_round=s.predicted_tokens_per_round(),
+            **spec_figures(s),
+            spec=copy.deepcopy(s),
         )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specbatch.request import SpecStats
 from specbatch.stats import percentile
 from specbatch.theory import predicted_speedup
 
@@ -70,10 +71,12 @@ class CellResult:
     runs_full_batch_tok_s: list[float] = field(default_factory=list)
     # every finished request's seconds per latency ("tpot", "ttft", "e2e"); not written out
     latencies: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    # the speculation counters the figures above come from; not written out
+    spec: SpecStats = field(default_factory=SpecStats, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["latencies"]
+        del d["latencies"], d["spec"]
         return d
 
 
@@ -93,25 +96,68 @@ def latency_figures(latencies: dict[str, list[float]]) -> dict[str, float | None
     return figures
 
 
-def median_cell(runs: list[CellResult]) -> CellResult:
-    """The run of median throughput (the lower one of an even count), with every run's
-    throughput in ``runs_tok_s``; its ``full_batch_tok_s`` is the median of the runs' own, and
-    its latencies (TPOT, TTFT, end-to-end) are over the requests of all the runs, each run's
-    own mean TPOT kept in ``runs_tpot_mean``. Each repeat
-    runs prompts of its own with output lengths of their own, the same for every draft length:
-    the median runs of two draft lengths may be different repeats, and a latency of one
-    repeat's requests set beside another's would compare prompts as much as draft lengths."""
-    ordered = sorted(runs, key=lambda c: c.output_tok_s)
-    cell = ordered[(len(ordered) - 1) // 2]
-    cell.runs_tok_s = [c.output_tok_s for c in runs]
-    cell.runs_tpot_mean = [c.tpot_mean for c in runs]
-    cell.latencies = {n: [x for c in runs for x in c.latencies.get(n, [])] for n in LATENCIES}
-    for name, value in latency_figures(cell.latencies).items():
-        setattr(cell, name, value)
-    full = [c.full_batch_tok_s for c in runs if c.full_batch_tok_s is not None]
-    cell.runs_full_batch_tok_s = full
-    cell.full_batch_tok_s = sorted(full)[(len(full) - 1) // 2] if full else None
-    return cell
+def spec_figures(s: SpecStats) -> dict[str, Any]:
+    """A cell's speculation figures from its counters (every one None without drafts)."""
+    return {
+        "spec_rounds": s.rounds,
+        "draft_tokens_proposed": s.proposed,
+        "draft_tokens_accepted": s.accepted,
+        "acceptance_rate": s.acceptance_rate,
+        "alpha": s.alpha,
+        "mean_draft_length": s.mean_draft_length,
+        "mean_tokens_per_round": s.mean_tokens_per_round,
+        "predicted_tokens_per_round": s.predicted_tokens_per_round(),
+    }
+
+
+def pool_runs(runs: list[CellResult]) -> CellResult:
+    """One cell over all its runs (``--repeats``): requests, tokens, time, steps and
+    speculation counters summed, so that its tok/s is the output tokens over the time, both
+    summed; its latencies are over every run's requests. Each run's tok/s and mean TPOT are
+    kept in ``runs_tok_s`` and ``runs_tpot_mean``; ``full_batch_tok_s`` is the median of the
+    runs' own.
+
+    Not the run of median throughput: run side by side, the cells of a round share the
+    machine's speed, and two rounds do not; the median runs of two draft lengths may be
+    different rounds, and their ratio carries the drift between rounds back in (in session
+    11's grid, auto's median run over k = 1's at batch 8 came out below four of the five
+    rounds' own ratios). Summed, every round weighs in by its time for both alike."""
+    first = runs[0]
+    steps = sum(c.steps for c in runs)
+    spec = SpecStats()
+    for c in runs:
+        spec.merge(c.spec)
+    wall = sum(c.wall_s for c in runs)
+    tokens = sum(c.output_tokens for c in runs)
+    latencies = {n: [x for c in runs for x in c.latencies.get(n, [])] for n in LATENCIES}
+    full = sorted(c.full_batch_tok_s for c in runs if c.full_batch_tok_s is not None)
+
+    def per_step(name: str) -> float:
+        return sum(getattr(c, name) * c.steps for c in runs) / max(steps, 1)
+
+    return CellResult(
+        batch_size=first.batch_size,
+        draft_length=first.draft_length,
+        num_requests=sum(c.num_requests for c in runs),
+        input_len=first.input_len,
+        output_len=first.output_len,
+        wall_s=wall,
+        output_tokens=tokens,
+        engine_generated_tokens=sum(c.engine_generated_tokens for c in runs),
+        steps=steps,
+        output_tok_s=tokens / wall if wall > 0 else 0.0,
+        **latency_figures(latencies),  # type: ignore[arg-type]
+        step_s=per_step("step_s"),
+        target_s_per_step=per_step("target_s_per_step"),
+        draft_s_per_step=per_step("draft_s_per_step"),
+        **spec_figures(spec),
+        runs_tok_s=[c.output_tok_s for c in runs],
+        runs_tpot_mean=[c.tpot_mean for c in runs],
+        full_batch_tok_s=full[(len(full) - 1) // 2] if full else None,
+        runs_full_batch_tok_s=[c.full_batch_tok_s for c in runs if c.full_batch_tok_s is not None],
+        latencies=latencies,
+        spec=spec,
+    )
 
 
 def compare_with_plain(cells: list[CellResult]) -> None:

@@ -52,7 +52,7 @@ from specbatch.bench.cells import (
     CellResult,
     compare_with_plain,
     crossover,
-    median_cell,
+    pool_runs,
 )
 from specbatch.bench.workload import build_workload, mixed, spread_output_lengths
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
@@ -123,7 +123,7 @@ class BenchConfig:
     num_requests: int | None = None  # per cell; None: default_num_requests(B)
     prompts_file: str | None = None
     temperature: float = 0.0
-    repeats: int = 1  # runs of each cell, interleaved; the median one is reported
+    repeats: int = 1  # runs of each cell, in rounds; the cell is reported over all of them
     # None: every request at ``temperature``; a float: the mixed workload (bench/workload.py),
     # easy greedy requests in turn with hard ones sampled at this temperature
     mixed_hard_temperature: float | None = None
@@ -315,7 +315,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                 for k, cell in zip(order, results):
                     cell.draft_length = k
                     runs[k].append(cell)
-            cells.extend(median_cell(runs[k]) for k in lengths)
+            cells.extend(pool_runs(runs[k]) for k in lengths)
     finally:
         for engine in engines.values():
             engine.shutdown()

@@ -123,7 +123,8 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="run every cell N times, the draft lengths of a batch size in interleaved rounds, "
-        "and report the run of median throughput (default: 1)",
+        "and report each cell over all its runs: tokens/s as the output tokens over the "
+        "time, both summed (default: 1)",
     )
     p.add_argument(
         "--interleave",
