@@ -160,13 +160,19 @@ def set_threads(threads: int | None) -> int:
 
 
 def _cpu_model() -> str:
+    """The CPU's name with its family and model numbers ("AMD EPYC" alone does not tell a
+    Zen 4 from a Zen 5)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return name
 
 
 def _git(*args: str) -> str | None:

@@ -383,9 +383,30 @@ def test_select_torch_and_auto_on_cpu() -> None:
     assert isinstance(select_backend("cpu"), TorchAttentionBackend)
     assert isinstance(select_backend("cpu", "torch"), TorchAttentionBackend)
     auto = select_backend("cpu", "auto", dtype=torch.bfloat16, block_size=256)
-    assert isinstance(auto, TorchAttentionBackend)
-    with pytest.raises(InvalidInputError, match="available: auto, torch, flash-attn, xformers"):
+    assert isinstance(auto, TorchAttentionBackend)  # head_dim unknown: the reference
+    with pytest.raises(
+        InvalidInputError, match="available: auto, torch, cpu, flash-attn, xformers"
+    ):
         select_backend("cpu", "flash")
+
+
+def test_select_cpu_kernel_backend() -> None:
+    from specbatch.kernels.cpu import cpu_kernels
+    from specbatch.model.layers.cpu_attention import CpuAttentionBackend
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels do not build here")
+    auto = select_backend("cpu", "auto", dtype=torch.float32, head_dim=64)
+    assert isinstance(auto, CpuAttentionBackend)
+    assert isinstance(select_backend("cpu", "cpu", dtype=torch.bfloat16, head_dim=128),
+                      CpuAttentionBackend)  # fmt: skip
+    # a head_dim the kernel does not take: auto falls back, naming it is an error
+    assert isinstance(select_backend("cpu", "auto", dtype=torch.float32, head_dim=40),
+                      TorchAttentionBackend)  # fmt: skip
+    with pytest.raises(InvalidInputError, match=r"attention_backend 'cpu' cannot run.*head_dim 40"):
+        select_backend("cpu", "cpu", dtype=torch.float32, head_dim=40)
+    with pytest.raises(InvalidInputError, match="attention_backend 'cpu' runs on a CPU device"):
+        select_backend("cuda", "cpu", dtype=torch.float32, head_dim=64)
 
 
 BOTH = {"flash_attn", "xformers.ops"}

@@ -15,6 +15,7 @@ from torch import nn
 
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
+from specbatch.kernels.cpu import CpuKernels
 from specbatch.model.layers.activation import SiluAndMul
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -141,7 +142,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.norm_heads_(q), self.k_norm.norm_heads_(k)
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
@@ -182,12 +183,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it (``None`` at the first layer):
+        the stream after the layer is their sum, added by the next norm."""
+        x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -241,9 +247,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, positions, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, kv_cache, meta)
+        return self.norm.add_and_norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -275,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         if attention_backend is None:
             from specbatch.model.layers.backend_choice import select_backend
 
-            attention_backend = select_backend(device, dtype=dtype)
+            attention_backend = select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
         self.hf_config = hf_config
         self.architecture = arch
         self.dtype = dtype
@@ -326,25 +333,30 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` -> float32 logits ``[N, vocab_size]`` (full vocabulary on each rank)."""
         return self.lm_head(hidden)
 
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Run the layers through specbatch's CPU kernels (the weights must be loaded)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "use_cpu_kernels"):
+                module.use_cpu_kernels(kernels)
+
     def kv_cache_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
         """Bytes one token costs in this rank's cache: K and V, every layer."""
         itemsize = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads_local * self.head_dim * itemsize
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one of the K or V cache tensors of one layer."""
-        return (num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
-
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> list[KVCache]:
-        """Zero-filled caches for every layer (a convenience; the runner may allocate its own)."""
-        shape = self.kv_cache_shape(num_blocks, block_size)
+        """Zero-filled caches for every layer, in the attention backend's layout (zeros, so
+        padded reads in the reference backend never meet NaN bit patterns)."""
+        k_shape, v_shape = self.attention_backend.kv_cache_shapes(
+            num_blocks, block_size, self.num_kv_heads_local, self.head_dim
+        )
         dev = self.device if device is None else device
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=dev),
-                torch.zeros(shape, dtype=self.dtype, device=dev),
+                torch.zeros(k_shape, dtype=self.dtype, device=dev),
+                torch.zeros(v_shape, dtype=self.dtype, device=dev),
             )
             for _ in range(self.num_layers)
         ]

@@ -159,11 +159,20 @@ def load_model(
     device: torch.device | str,
     tp: TensorParallelGroup = SINGLE,
     attention_backend: AttentionBackend | None = None,
+    use_cpu_kernels: bool = True,
 ) -> LlamaForCausalLM:
-    """This rank's shard of the checkpoint at ``path``, in ``dtype`` on ``device``, ready to run."""
+    """This rank's shard of the checkpoint at ``path``, in ``dtype`` on ``device``, ready to run:
+    on a CPU through specbatch's kernels where they are available (``use_cpu_kernels=False``:
+    the pure-torch layers)."""
     hf_config = load_hf_config(path)
     check_config(hf_config, tp)
     files = checkpoint_files(path)
     model = LlamaForCausalLM(hf_config, dtype, device, tp, attention_backend)
     load_weights(model, files)
+    if use_cpu_kernels and torch.device(device).type == "cpu":
+        from specbatch.kernels.cpu import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is not None:
+            model.use_cpu_kernels(kernels)
     return model.eval()

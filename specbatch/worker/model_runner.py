@@ -70,8 +70,14 @@ class ModelRunner:
         breaks, and an explicitly named backend reject it early; None: "auto" keeps torch."""
         self.config = model_config
         self.device = device
+        from specbatch.model.llama import head_dim_of
+
         self.backend = select_backend(
-            device, attention_backend, dtype=model_config.dtype, block_size=block_size
+            device,
+            attention_backend,
+            dtype=model_config.dtype,
+            block_size=block_size,
+            head_dim=head_dim_of(model_config.hf_config),
         )
         self.model = load_model(
             model_config.path, model_config.dtype, device, tp, attention_backend=self.backend
@@ -83,17 +89,8 @@ class ModelRunner:
         return self.model.kv_cache_bytes_per_token() * block_size
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Zero-filled, so padded reads in the reference backend never meet NaN bit patterns."""
         self.backend.check_block_size(block_size)
-        shape = (num_blocks, block_size, self.model.num_kv_heads_local, self.model.head_dim)
-        dtype = self.config.dtype
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(self.model.num_layers)
-        ]
+        self.kv_caches = self.model.allocate_kv_caches(num_blocks, block_size, self.device)
         self.block_size = block_size
 
     @torch.inference_mode()

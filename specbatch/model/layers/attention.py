@@ -120,6 +120,14 @@ class AttentionBackend(ABC):
                 f"got {block_size!r}"
             )
 
+    def kv_cache_shapes(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one layer's key and value caches: ``[num_blocks, block_size, kv_heads, D]``
+        for both, unless the backend lays its cache out otherwise."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return shape, shape
+
     @abstractmethod
     def forward(
         self,

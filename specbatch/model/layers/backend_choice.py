@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Collection
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from specbatch.errors import InvalidInputError
 from specbatch.model.layers.attention import AttentionBackend, TorchAttentionBackend
 
 #: Every name ``attention_backend`` accepts besides "auto".
-BACKEND_NAMES = ("torch", "flash-attn", "xformers")
+BACKEND_NAMES = ("torch", "cpu", "flash-attn", "xformers")
 
 # The CUDA backends: name -> (module that must import, backend module, class name).
 _CUDA_BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -60,23 +61,47 @@ def _auto_choice(
     return "torch"
 
 
+def _cpu_backend(head_dim: int | None, dtype: torch.dtype | None) -> tuple[Any, str | None]:
+    """specbatch's CPU kernel backend for this model, or None and why not."""
+    from specbatch.kernels.cpu import cpu_kernels
+    from specbatch.model.layers.cpu_attention import CpuAttentionBackend
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        return None, "the CPU kernels are not available (see the warning above)"
+    if head_dim is None:
+        return None, "the model's head_dim is not known here"
+    why = CpuAttentionBackend.supports(kernels, head_dim, dtype)
+    return (None, why) if why else (CpuAttentionBackend(kernels), None)
+
+
 def select_backend(
     device: torch.device | str,
     name: str = "auto",
     dtype: torch.dtype | None = None,
     block_size: int | None = None,
+    head_dim: int | None = None,
 ) -> AttentionBackend:
     """The attention backend for a device: ``name`` is ``"auto"`` or one of ``BACKEND_NAMES``.
 
-    "torch" runs anywhere. "flash-attn" (paged varlen, block_size a multiple of 256) and
-    "xformers" (paged bias, block_size a multiple of 64) need a CUDA device, fp16/bf16 and their
-    package (``pip install -e ".[gpu]"``); choosing one explicitly where it cannot run raises
-    InvalidInputError naming ``attention_backend`` (or ``block_size`` / ``dtype``). "auto" picks
-    flash-attn, else xformers, else torch on CUDA with fp16/bf16, skipping a backend whose
-    block-size rule ``block_size`` breaks (so the default 16 keeps torch, as does an unknown
-    ``block_size``); on CPU it is always torch.
+    "torch" runs anywhere. "cpu" is specbatch's own kernel (float32 / bfloat16, head_dim a
+    multiple of 16); on a CPU "auto" takes it where it runs, else "torch". "flash-attn" (paged
+    varlen, block_size a multiple of 256) and "xformers" (paged bias, block_size a multiple of
+    64) need a CUDA device, fp16/bf16 and their package (``pip install -e ".[gpu]"``); choosing
+    one explicitly where it cannot run raises InvalidInputError naming ``attention_backend``
+    (or ``block_size`` / ``dtype``). "auto" picks flash-attn, else xformers, else torch on CUDA
+    with fp16/bf16, skipping a backend whose block-size rule ``block_size`` breaks (so the
+    default 16 keeps torch, as does an unknown ``block_size``).
     """
     dev = torch.device(device)
+    if dev.type == "cpu" and name in ("auto", "cpu"):
+        backend, why = _cpu_backend(head_dim, dtype)
+        if backend is not None:
+            return backend
+        if name == "cpu":
+            raise InvalidInputError(f"attention_backend 'cpu' cannot run this model: {why}")
+    if name == "cpu":
+        raise InvalidInputError(f"attention_backend 'cpu' runs on a CPU device, got device '{dev}'")
     if name == "auto":
         is_cuda = dev.type == "cuda"
         importable: set[str] = set()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbatch.distributed.parallel_state import TensorParallelGroup
+from specbatch.kernels.cpu import CpuKernels, PackedLinear
 from specbatch.model.layers.weights import Loaded, check_shape, copy_into, new_param, take
 
 
@@ -73,12 +74,26 @@ class ParallelLMHead(VocabParallelEmbedding):
         tied_weight: nn.Parameter | None = None,
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp=tp, dtype=dtype, device=device)
+        self.tied = tied_weight is not None
         if tied_weight is not None:
             self.weight = tied_weight
+        self.kernels: CpuKernels | None = None
+        self.packed: PackedLinear | None = None
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Multiply through the kernels' packed copy; an untied weight is then released."""
+        if not kernels.supports_linear(self.weight.dtype) or self.weight.device.type != "cpu":
+            return
+        self.kernels, self.packed = kernels, kernels.pack_linear(self.weight)
+        if not self.tied:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab_size]``, full vocabulary on every rank."""
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None and self.kernels is not None:
+            logits = self.kernels.linear(hidden, self.packed, out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

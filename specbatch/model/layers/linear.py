@@ -6,7 +6,9 @@
 - ``RowParallelLinear``: the input features are split; each rank computes a partial product and
   the results are summed with an all-reduce. The bias is added once, after the reduction.
 
-Weights are stored like ``nn.Linear``: ``[out_features_local, in_features_local]``.
+Weights are stored like ``nn.Linear``: ``[out_features_local, in_features_local]``. On a CPU
+with specbatch's kernels, ``use_cpu_kernels`` repacks a loaded weight into the kernels' panels
+(the original is released) and the layer multiplies through them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.errors import InvalidInputError
+from specbatch.kernels.cpu import CpuKernels, PackedLinear
 from specbatch.model.layers.weights import (
     Loaded,
     check_shape,
@@ -38,7 +41,28 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """The matrix multiply shared by the parallel linear layers: ``F.linear`` on the stored
+    weight, or the CPU kernels' packed copy of it once ``use_cpu_kernels`` was called."""
+
+    weight: nn.Parameter
+    kernels: CpuKernels | None = None
+    packed: PackedLinear | None = None
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Repack the loaded weight for the kernels and release the original."""
+        if not kernels.supports_linear(self.weight.dtype) or self.weight.device.type != "cpu":
+            return
+        self.kernels, self.packed = kernels, kernels.pack_linear(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None and self.kernels is not None:
+            return self.kernels.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """``y_local = x @ W_local^T + b_local``, with ``W`` split along its output dimension.
 
     ``output_sizes`` is one size, or several for a fused layer (each part split on its own).
@@ -94,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data.narrow(0, dst_start, n), take(loaded, 0, src_start, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -149,7 +173,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = all_reduce(x_local @ W_local^T) + b``, with ``W`` split along its input dimension.
 
     ``x_local`` is this rank's slice of the input features, as produced by a column-parallel
@@ -190,8 +214,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specbatch.errors import InvalidInputError
+from specbatch.kernels.cpu import CpuKernels
 
 # Rope types whose frequencies do not depend on the sequence length. "dynamic" and "longrope"
 # change their frequencies with the current length, which a paged cache cannot follow (keys
@@ -91,6 +92,11 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", (freqs.cos() * attention_scaling).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attention_scaling).to(device), persistent=False)
+        self.kernels: CpuKernels | None = None
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        if self.cos.device.type == "cpu":
+            self.kernels = kernels
 
     @classmethod
     def from_config(
@@ -112,7 +118,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions must be below ``max_positions`` (the model's max_position_embeddings)."""
+        """Positions must be below ``max_positions`` (the model's max_position_embeddings).
+        With the CPU kernels q and k are rotated in place (and returned)."""
+        if self.kernels is not None:
+            self.kernels.rope_(q, positions, self.cos, self.sin)
+            self.kernels.rope_(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,101 @@
+"""Compile the CPU kernels (``csrc/*.c``) once per machine and load them with ctypes.
+
+The library is built with the system C compiler for the CPU it runs on (``-march=native``) into
+a cache folder keyed by the sources, the flags, the compiler and the CPU's feature flags, so a
+second start only loads it. Set ``SPECBATCH_CPU_KERNELS=0`` to run the pure-torch path, and
+``SPECBATCH_KERNEL_CACHE`` to move the cache (default ``~/.cache/specbatch/kernels``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("gemm.c", "layer_ops.c", "attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels cannot be built or loaded on this machine (the message says why)."""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SPECBATCH_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specbatch" / "kernels"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    return cc
+
+
+def library_path() -> Path:
+    """Where the library for this machine lives; built there first if it is not."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise KernelBuildError(f"only built on Linux x86-64, this is {platform.platform()}")
+    flags = cpu_flags()
+    if "avx512f" not in flags:
+        raise KernelBuildError("the CPU has no AVX-512F")
+    cc = _compiler()
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"the C compiler '{cc}' does not run: {e}") from e
+    digest = hashlib.sha256()
+    for name in (*SOURCES, "common.h"):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join((*FLAGS, version, *sorted(flags))).encode())
+    out_dir = cache_dir()
+    lib = out_dir / f"libspecbatch_cpu-{digest.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [cc, *FLAGS, "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise KernelBuildError(f"compiling failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
+        os.replace(tmp, lib)  # atomic: parallel builders race harmlessly
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def load_library() -> ctypes.CDLL:
+    import torch  # noqa: F401  (torch's OpenMP runtime must be the one the library binds to)
+
+    path = library_path()
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e

@@ -1,0 +1,259 @@
+"""Tensor-level calls into the CPU kernels (``csrc/``), one per op for the whole batch.
+
+Every function takes and returns torch tensors on the CPU in float32 or bfloat16 (the model's
+dtype); inputs must have a contiguous last dimension. ``cpu_kernels()`` is None where the
+library cannot be built (the reason is logged once) or ``SPECBATCH_CPU_KERNELS=0``: callers then
+run the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from ctypes import c_float, c_int, c_long, c_void_p
+from dataclasses import dataclass
+
+import torch
+
+from specbatch.kernels.build import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+_SIGNATURES: dict[str, list[type]] = {
+    "sb_linear_f32": [c_int, c_int, c_int, c_void_p, c_long, c_void_p, c_void_p, c_void_p, c_long],
+    "sb_linear_bf16": [
+        c_int,
+        c_int,
+        c_int,
+        c_void_p,
+        c_long,
+        c_void_p,
+        c_void_p,
+        c_void_p,
+        c_long,
+        c_int,
+    ],
+    "sb_rms_norm": [c_int, c_int, c_void_p, c_long, c_void_p, c_void_p, c_float, c_void_p, c_int],
+    "sb_head_rms_norm": [c_int, c_int, c_int, c_void_p, c_long, c_void_p, c_float, c_int],
+    "sb_rope": [c_int, c_int, c_int, c_void_p, c_long, c_void_p, c_void_p, c_void_p, c_int],
+    "sb_silu_and_mul": [c_int, c_int, c_void_p, c_void_p, c_int],
+    "sb_write_kv": [
+        c_int,
+        c_int,
+        c_int,
+        c_void_p,
+        c_long,
+        c_void_p,
+        c_long,
+        c_void_p,
+        c_void_p,
+        c_void_p,
+        c_int,
+        c_int,
+    ],
+    "sb_paged_attention": [
+        c_int,
+        c_void_p,
+        c_void_p,
+        c_void_p,
+        c_long,
+        c_void_p,
+        c_long,
+        c_int,
+        c_int,
+        c_int,
+        c_void_p,
+        c_void_p,
+        c_int,
+        c_float,
+        c_void_p,
+        c_int,
+    ],
+}
+PANEL = 16  # output features per weight panel
+
+
+@dataclass
+class PackedLinear:
+    """A linear layer's weight ``[N, K]`` laid out in panels for ``sb_linear_*``."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    if t.dtype == torch.bfloat16:
+        return 1
+    if t.dtype == torch.float32:
+        return 0
+    raise TypeError(f"CPU kernels take float32 or bfloat16, got {t.dtype}")
+
+
+class CpuKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = None
+        self.bf16_matmul = bool(lib.sb_has_bf16_dot())
+        self.max_head_dim = int(lib.sb_attention_max_head_dim())
+
+    # ---- matrix multiplies -------------------------------------------------------------------
+    def supports_linear(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_matmul)
+
+    @staticmethod
+    def pack_linear(weight: torch.Tensor) -> PackedLinear:
+        """Panels of 16 output features: float32 ``[N/16, K, 16]``, bfloat16 ``[N/16, K/2, 16,
+        2]`` (N padded to 16 and, for bfloat16, K to even, with zeros)."""
+        n, k = weight.shape
+        n_pad = -(-n // PANEL) * PANEL
+        w = weight.detach()
+        if weight.dtype == torch.bfloat16:
+            k_pad = k + (k & 1)
+            w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
+            panels = w.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3)
+        else:
+            w = torch.nn.functional.pad(w, (0, 0, 0, n_pad - n))
+            panels = w.view(n_pad // PANEL, PANEL, k).permute(0, 2, 1)
+        return PackedLinear(panels.contiguous(), n, k)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: PackedLinear,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``x [M, K] @ W^T + bias`` -> ``[M, N]``; bfloat16 may return float32 (``out_dtype``)."""
+        x = _rows(x)
+        m = x.shape[0]
+        y = torch.empty((m, w.out_features), dtype=out_dtype or x.dtype)
+        b = bias.data_ptr() if bias is not None else None
+        if _is_bf16(x):
+            self._lib.sb_linear_bf16(
+                m, w.out_features, w.in_features, x.data_ptr(), x.stride(0),
+                w.panels.data_ptr(), b, y.data_ptr(), w.out_features, int(y.dtype != x.dtype),
+            )  # fmt: skip
+        else:
+            self._lib.sb_linear_f32(
+                m, w.out_features, w.in_features, x.data_ptr(), x.stride(0),
+                w.panels.data_ptr(), b, y.data_ptr(), w.out_features,
+            )  # fmt: skip
+        return y
+
+    # ---- elementwise -------------------------------------------------------------------------
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm of ``x`` (of ``x + residual`` when given, which is stored into ``residual``)."""
+        x = _rows(x)
+        out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype)
+        r = residual.data_ptr() if residual is not None else None
+        self._lib.sb_rms_norm(
+            x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), r, weight.data_ptr(), eps,
+            out.data_ptr(), _is_bf16(x),
+        )  # fmt: skip
+        return out
+
+    def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """Per-head RMSNorm in place of ``x [T, H, D]`` (heads D apart)."""
+        t, h, d = x.shape
+        self._lib.sb_head_rms_norm(
+            t, h, d, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, _is_bf16(x)
+        )
+
+    def rope_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Rotary embedding in place of ``x [T, H, D]`` (heads D apart), float32 cos/sin tables
+        ``[max_positions, D / 2]``."""
+        t, h, d = x.shape
+        self._lib.sb_rope(
+            t, h, d, x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), _is_bf16(x),
+        )  # fmt: skip
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, 2n]`` as ``[gate | up]`` -> ``silu(gate) * up``."""
+        x = x.contiguous()
+        n = x.shape[1] // 2
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+        self._lib.sb_silu_and_mul(x.shape[0], n, x.data_ptr(), out.data_ptr(), _is_bf16(x))
+        return out
+
+    # ---- attention ---------------------------------------------------------------------------
+    @staticmethod
+    def kv_cache_shapes(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Keys ``[block, head, d, block_size]``, values ``[block, head, block_size, d]``."""
+        return (
+            (num_blocks, num_kv_heads, head_dim, block_size),
+            (num_blocks, num_kv_heads, block_size, head_dim),
+        )
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """Scatter ``k, v [T, Hkv, D]`` (rows may be strided) into their cache slots."""
+        t, h, d = k.shape
+        self._lib.sb_write_kv(
+            t, h, d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[3], _is_bf16(k),
+        )  # fmt: skip
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, Hq, D]`` (rows may be strided) over the cache -> ``[T, Hq, D]``."""
+        t, hq, d = q.shape
+        out = torch.empty((t, hq, d), dtype=q.dtype)
+        self._lib.sb_paged_attention(
+            seq_lens.shape[0], query_start_loc.data_ptr(), seq_lens.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), q.data_ptr(), q.stride(0), hq,
+            k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[3], scale,
+            out.data_ptr(), _is_bf16(q),
+        )  # fmt: skip
+        return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D tensor with a contiguous last dimension (a view when it already is)."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    """The kernels of this machine, or None (disabled, or they cannot be built: logged once)."""
+    if os.environ.get("SPECBATCH_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return CpuKernels(load_library())
+    except KernelBuildError as e:
+        logger.warning("CPU kernels unavailable, running the pure-torch path (slower): %s", e)
+        return None

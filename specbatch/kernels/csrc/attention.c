@@ -1,0 +1,222 @@
+/* Attention over the paged KV cache for a ragged batch: prompts, prompt chunks, one-token
+ * decodes and (gamma + 1)-token verifications in one call, reading keys and values in place
+ * through each sequence's block table (nothing is gathered into a temporary).
+ *
+ * Cache layout (this backend's own): keys [block][kv head][d][block_size], values
+ * [block][kv head][block_size][d], so 16 consecutive keys of a block are one vector lane-wise
+ * and their scores need no horizontal sums. Query row i of a sequence with q_len new tokens and
+ * seq_len positions sees keys 0 .. seq_len - q_len + i. The query heads that share a kv head
+ * are processed together (up to 16 query vectors a tile), each key block loaded once a tile.
+ * Softmax is the online (streaming) form, in float32. */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define QT 16   /* query vectors per tile */
+#define DMAX 256
+
+typedef struct {
+    const int64_t* qsl;
+    const int64_t* seq_lens;
+    const int64_t* block_tables;
+    long bt_stride;
+    const char* q;
+    long ldq;
+    int hq, hkv, d, block_size;
+    const char* k_cache;
+    const char* v_cache;
+    float scale;
+    char* out;
+} attn_args;
+
+/* scores s[v][lane] = q_v . key(c + lane) for NV query vectors and 16 keys of one block; P
+ * partial sums per vector keep enough independent FMA chains in flight. */
+SB_INLINE void scores(const int NV, const float* qv, const char* kb, int c, int bs, int d,
+                      __mmask16 km, __m512* s, const int bf16) {
+    const int esz = bf16 ? 2 : 4;
+    const int P = NV <= 2 ? 4 : NV <= 4 ? 2 : 1;
+    __m512 part[QT][4];
+    for (int v = 0; v < NV; v++)
+        for (int u = 0; u < P; u++) part[v][u] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += P) {
+        for (int u = 0; u < P; u++) {
+            __m512 kd = load16(kb + ((long)(i + u) * bs + c) * esz, km, bf16);
+            for (int v = 0; v < NV; v++)
+                part[v][u] = _mm512_fmadd_ps(_mm512_set1_ps(qv[v * DMAX + i + u]), kd, part[v][u]);
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        __m512 t = part[v][0];
+        for (int u = 1; u < P; u++) t = _mm512_add_ps(t, part[v][u]);
+        s[v] = t;
+    }
+}
+
+/* acc[v] += sum_j p[v][j] * value(c + j), j < n: up to 4 vectors at once, even and odd keys in
+ * separate sums, every value row loaded once per group of vectors. */
+SB_INLINE void add_values(const int NV, float* acc, const float (*p)[16], const char* vb, int c,
+                          int n, int d, const int bf16) {
+    const int esz = bf16 ? 2 : 4;
+    for (int i = 0; i < d; i += 16) {
+        for (int v0 = 0; v0 < NV; v0 += 4) {
+            __m512 a[4][2];
+            for (int u = 0; u < 4; u++)
+                if (v0 + u < NV) {
+                    a[u][0] = _mm512_load_ps(acc + (v0 + u) * DMAX + i);
+                    a[u][1] = _mm512_setzero_ps();
+                }
+            int j = 0;
+            for (; j + 1 < n; j += 2) {
+                __m512 x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
+                __m512 x1 = load16(vb + ((long)(c + j + 1) * d + i) * esz, 0xffff, bf16);
+                for (int u = 0; u < 4; u++)
+                    if (v0 + u < NV) {
+                        a[u][0] = _mm512_fmadd_ps(_mm512_set1_ps(p[v0 + u][j]), x0, a[u][0]);
+                        a[u][1] = _mm512_fmadd_ps(_mm512_set1_ps(p[v0 + u][j + 1]), x1, a[u][1]);
+                    }
+            }
+            if (j < n) {
+                __m512 x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
+                for (int u = 0; u < 4; u++)
+                    if (v0 + u < NV)
+                        a[u][0] = _mm512_fmadd_ps(_mm512_set1_ps(p[v0 + u][j]), x0, a[u][0]);
+            }
+            for (int u = 0; u < 4; u++)
+                if (v0 + u < NV)
+                    _mm512_store_ps(acc + (v0 + u) * DMAX + i, _mm512_add_ps(a[u][0], a[u][1]));
+        }
+    }
+}
+
+SB_INLINE void prefetch_block(const char* p, long bytes) {
+    for (long off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, int nv, const int bf16) {
+    const int esz = bf16 ? 2 : 4;
+    const int G = a->hq / a->hkv, d = a->d, bs = a->block_size;
+    const long row0 = a->qsl[b];
+    const int q_len = (int)(a->qsl[b + 1] - row0);
+    const int ctx = (int)a->seq_lens[b] - q_len;
+    float qv[QT * DMAX] __attribute__((aligned(64)));
+    float acc[QT * DMAX] __attribute__((aligned(64)));
+    float mx[QT], l[QT];
+    int vis[QT];
+    int kend = 0;
+    for (int v = 0; v < NV; v++) {
+        mx[v] = -INFINITY;
+        l[v] = 0.0f;
+        int vv = v0 + (v < nv ? v : nv - 1);
+        int r = vv / G, h = kvh * G + vv % G;
+        vis[v] = v < nv ? ctx + r + 1 : 0;
+        if (vis[v] > kend) kend = vis[v];
+        const char* qr = a->q + ((row0 + r) * a->ldq + (long)h * d) * esz;
+        for (int i = 0; i < d; i += 16) {
+            __m512 x = _mm512_mul_ps(load16(qr + (long)i * esz, 0xffff, bf16), _mm512_set1_ps(a->scale));
+            _mm512_store_ps(qv + v * DMAX + i, x);
+            _mm512_store_ps(acc + v * DMAX + i, _mm512_setzero_ps());
+        }
+    }
+    const int64_t* bt = a->block_tables + (long)b * a->bt_stride;
+    const long head_elems = (long)d * bs;
+    for (int start = 0; start < kend; start += bs) {
+        long phys = bt[start / bs];
+        const char* kb = a->k_cache + ((phys * a->hkv + kvh) * head_elems) * esz;
+        const char* vb = a->v_cache + ((phys * a->hkv + kvh) * head_elems) * esz;
+        if (start + bs < kend) {
+            long next = bt[start / bs + 1];
+            prefetch_block(a->k_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
+            prefetch_block(a->v_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
+        }
+        for (int c = 0; c < bs && start + c < kend; c += 16) {
+            int n = bs - c < 16 ? bs - c : 16;
+            if (kend - (start + c) < n) n = kend - (start + c);
+            __m512 s[QT];
+            scores(NV, qv, kb, c, bs, d, lanes(n), s, bf16);
+            float p[QT][16] __attribute__((aligned(64)));
+            for (int v = 0; v < NV; v++) {
+                int seen = vis[v] - (start + c);
+                __mmask16 vm = lanes(seen < 0 ? 0 : seen) & lanes(n);
+                if (!vm) {
+                    _mm512_store_ps(p[v], _mm512_setzero_ps());
+                    continue;
+                }
+                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vm, s[v]);
+                float m_new = _mm512_reduce_max_ps(sv);
+                if (m_new > mx[v]) {
+                    float corr = mx[v] == -INFINITY ? 0.0f : expf(mx[v] - m_new);
+                    l[v] *= corr;
+                    __m512 vc = _mm512_set1_ps(corr);
+                    for (int i = 0; i < d; i += 16)
+                        _mm512_store_ps(acc + v * DMAX + i, _mm512_mul_ps(_mm512_load_ps(acc + v * DMAX + i), vc));
+                    mx[v] = m_new;
+                }
+                __m512 pv = _mm512_maskz_mov_ps(vm, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mx[v]))));
+                l[v] += _mm512_reduce_add_ps(pv);
+                _mm512_store_ps(p[v], pv);
+            }
+            add_values(NV, acc, (const float (*)[16])p, vb, c, n, d, bf16);
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        int vv = v0 + v;
+        int r = vv / G, h = kvh * G + vv % G;
+        char* orow = a->out + (((row0 + r) * a->hq + h) * (long)d) * esz;
+        __m512 inv = _mm512_set1_ps(1.0f / l[v]);
+        for (int i = 0; i < d; i += 16)
+            store16(orow + (long)i * esz, 0xffff, _mm512_mul_ps(_mm512_load_ps(acc + v * DMAX + i), inv), bf16);
+    }
+}
+
+SB_INLINE void run_tile(const attn_args* a, int b, int kvh, int v0, int nv, const int bf16) {
+    if (nv <= 1) tile(1, a, b, kvh, v0, nv, bf16);
+    else if (nv <= 2) tile(2, a, b, kvh, v0, nv, bf16);
+    else if (nv <= 4) tile(4, a, b, kvh, v0, nv, bf16);
+    else if (nv <= 8) tile(8, a, b, kvh, v0, nv, bf16);
+    else tile(16, a, b, kvh, v0, nv, bf16);
+}
+
+SB_INLINE void attention_impl(const attn_args* a, int num_seqs, const int bf16) {
+    const int G = a->hq / a->hkv;
+    /* one work item per (sequence, kv head, tile of query vectors) */
+    int items = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int nvec = (int)(a->qsl[b + 1] - a->qsl[b]) * G;
+        items += a->hkv * ((nvec + QT - 1) / QT);
+    }
+    int* work = (int*)malloc(sizeof(int) * 3 * (size_t)(items > 0 ? items : 1));
+    int it = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int nvec = (int)(a->qsl[b + 1] - a->qsl[b]) * G;
+        for (int kvh = 0; kvh < a->hkv; kvh++)
+            for (int v0 = 0; v0 < nvec; v0 += QT) {
+                work[3 * it] = b;
+                work[3 * it + 1] = kvh;
+                work[3 * it + 2] = v0;
+                it++;
+            }
+    }
+    int par = omp_get_max_threads() > 1 && items > 1;
+#pragma omp parallel for schedule(dynamic, 1) if (par)
+    for (int i = 0; i < items; i++) {
+        int b = work[3 * i], kvh = work[3 * i + 1], v0 = work[3 * i + 2];
+        int nvec = (int)(a->qsl[b + 1] - a->qsl[b]) * G;
+        run_tile(a, b, kvh, v0, nvec - v0 < QT ? nvec - v0 : QT, bf16);
+    }
+    free(work);
+}
+
+int sb_attention_max_head_dim(void) { return DMAX; }
+
+void sb_paged_attention(int num_seqs, const int64_t* qsl, const int64_t* seq_lens,
+                        const int64_t* block_tables, long bt_stride, const void* q, long ldq,
+                        int hq, int hkv, int d, const void* k_cache, const void* v_cache,
+                        int block_size, float scale, void* out, int bf16) {
+    attn_args a = {qsl, seq_lens, block_tables, bt_stride, (const char*)q, ldq, hq, hkv, d,
+                   block_size, (const char*)k_cache, (const char*)v_cache, scale, (char*)out};
+    if (bf16)
+        attention_impl(&a, num_seqs, 1);
+    else
+        attention_impl(&a, num_seqs, 0);
+}

@@ -1,0 +1,148 @@
+/* y = x W^T (+ bias) for float32 and bfloat16 weights packed in panels of 16 output features.
+ *
+ * float32 panels: [ceil(N/16)][K][16]; bfloat16 panels: [ceil(N/16)][ceil(K/2)][16][2] (pairs
+ * along K, the operand layout of AVX512-BF16's dot product). A micro-kernel computes up to
+ * MR rows of x against NP panels (64 outputs) with every partial sum in a register, streaming
+ * each panel once per MR rows. Every output is summed over k in the same order whatever M is and
+ * wherever its row sits in x, so a row's result does not depend on the rest of the batch. */
+#include <omp.h>
+
+#include "common.h"
+
+#define MR 4
+#define NP 4
+#define NR 16
+
+SB_INLINE void finish(__m512 acc[MR][NP], int mr, int np, int n_left, const void* bias,
+                      const int bias_bf16, void* y, long ldy, const int y_bf16) {
+    for (int j = 0; j < NP; j++) {
+        if (j >= np) break;
+        int nl = n_left - j * NR;
+        __mmask16 km = lanes(nl);
+        __m512 b = _mm512_setzero_ps();
+        if (bias) {
+            const char* bp = (const char*)bias + (long)j * NR * (bias_bf16 ? 2 : 4);
+            b = load16(bp, km, bias_bf16);
+        }
+        for (int m = 0; m < MR; m++) {
+            if (m >= mr) break;
+            char* yr = (char*)y + ((long)m * ldy + (long)j * NR) * (y_bf16 ? 2 : 4);
+            store16(yr, km, _mm512_add_ps(acc[m][j], b), y_bf16);
+        }
+    }
+}
+
+SB_INLINE void kernel_f32(int mr, int np, int K, const float* x, long ldx, const float* w,
+                          long pstride, int n_left, const float* bias, float* y, long ldy) {
+    __m512 acc[MR][NP];
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < NP; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        __m512 b[NP];
+        for (int j = 0; j < NP; j++)
+            b[j] = j < np ? _mm512_loadu_ps(w + j * pstride + (long)k * NR) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) {
+            if (m < mr) {
+                __m512 a = _mm512_set1_ps(x[m * ldx + k]);
+                for (int j = 0; j < NP; j++) acc[m][j] = _mm512_fmadd_ps(a, b[j], acc[m][j]);
+            }
+        }
+    }
+    finish(acc, mr, np, n_left, bias, 0, y, ldy, 0);
+}
+
+void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* wp,
+                   const float* bias, float* y, long ldy) {
+    int npanel = (N + NR - 1) / NR;
+    int ngroup = (npanel + NP - 1) / NP;
+    long pstride = (long)K * NR;
+    int par = omp_get_max_threads() > 1 && (double)M * N * K > 2e5;
+#pragma omp parallel for schedule(static) if (par)
+    for (int g = 0; g < ngroup; g++) {
+        int p = g * NP;
+        int np = npanel - p < NP ? npanel - p : NP;
+        for (int m = 0; m < M; m += MR) {
+            int mr = M - m < MR ? M - m : MR;
+            kernel_f32(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride, N - p * NR,
+                       bias ? bias + p * NR : 0, y + (long)m * ldy + p * NR, ldy);
+        }
+    }
+}
+
+int sb_has_bf16_dot(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512BF16__
+SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, const uint16_t* w,
+                           long pstride, int n_left, const uint16_t* bias, void* y, long ldy,
+                           const int y_bf16) {
+    __m512 acc[MR][NP];
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < NP; j++) acc[m][j] = _mm512_setzero_ps();
+    int K2 = K / 2;
+    for (int k2 = 0; k2 < K2; k2++) {
+        __m512i b[NP];
+        for (int j = 0; j < NP; j++)
+            b[j] = j < np ? _mm512_loadu_si512(w + j * pstride + (long)k2 * 2 * NR)
+                          : _mm512_setzero_si512();
+        for (int m = 0; m < MR; m++) {
+            if (m < mr) {
+                uint32_t pair;
+                memcpy(&pair, x + m * ldx + 2 * k2, 4);
+                __m512i a = _mm512_set1_epi32((int)pair);
+                for (int j = 0; j < NP; j++)
+                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)a, (__m512bh)b[j]);
+            }
+        }
+    }
+    if (K & 1) { /* the last pair holds one real element; its partner in the panel is 0 */
+        for (int j = 0; j < NP; j++) {
+            if (j >= np) break;
+            __m512i bj = _mm512_loadu_si512(w + j * pstride + (long)K2 * 2 * NR);
+            for (int m = 0; m < MR; m++) {
+                if (m < mr) {
+                    uint32_t pair = x[m * ldx + K - 1];
+                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)_mm512_set1_epi32((int)pair),
+                                                 (__m512bh)bj);
+                }
+            }
+        }
+    }
+    finish(acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
+}
+#endif
+
+/* y_f32: write float32 outputs (the LM head's logits) instead of bfloat16. */
+void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint16_t* wp,
+                    const uint16_t* bias, void* y, long ldy, int y_f32) {
+#ifdef __AVX512BF16__
+    int npanel = (N + NR - 1) / NR;
+    int ngroup = (npanel + NP - 1) / NP;
+    long pstride = (long)((K + 1) / 2) * 2 * NR;
+    int par = omp_get_max_threads() > 1 && (double)M * N * K > 2e5;
+    int esz = y_f32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (par)
+    for (int g = 0; g < ngroup; g++) {
+        int p = g * NP;
+        int np = npanel - p < NP ? npanel - p : NP;
+        for (int m = 0; m < M; m += MR) {
+            int mr = M - m < MR ? M - m : MR;
+            char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
+            if (y_f32)
+                kernel_bf16(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
+                            N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 0);
+            else
+                kernel_bf16(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
+                            N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 1);
+        }
+    }
+#else
+    (void)M; (void)N; (void)K; (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)ldy;
+    (void)y_f32;
+#endif
+}

@@ -1,0 +1,217 @@
+"""specbatch's CPU kernels against the pure-torch reference: the matrix multiply, the layer ops,
+and attention over the paged cache on ragged batches of prompts, chunks, decodes and
+verifications, in float32 and bfloat16. Every test fails if a kernel drops or mixes up a row,
+a position, a head or a KV slot."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specbatch.kernels.cpu import CpuKernels, cpu_kernels
+from specbatch.model.layers.attention import TorchAttentionBackend
+from specbatch.model.layers.cpu_attention import CpuAttentionBackend
+from specbatch.model.layers.norm import RMSNorm
+from specbatch.model.layers.rotary import RotaryEmbedding
+from specbatch.model.loader import load_model
+from tests.helpers import random_paged_batch
+
+KERNELS = cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels do not build here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def kernels() -> CpuKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
+# --- matrix multiply ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 704, 256), (3, 17, 7), (6, 100, 33), (70, 48, 64)])
+def test_linear_matches_torch(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    if not kernels().supports_linear(dtype):
+        pytest.skip("no bfloat16 dot product on this CPU")
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    packed = kernels().pack_linear(w)
+    ref = F.linear(x.float(), w.float(), b.float())
+    got = kernels().linear(x, packed, b, out_dtype=torch.float32)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, ref, atol=1e-4 * k**0.5, rtol=1e-5)
+    rounded = kernels().linear(x, packed, b)
+    assert rounded.dtype == dtype
+    torch.testing.assert_close(rounded, got.to(dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    if not kernels().supports_linear(dtype):
+        pytest.skip("no bfloat16 dot product on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=gen).to(dtype)
+    packed = kernels().pack_linear(torch.randn(72, 96, generator=gen).to(dtype))
+    whole = kernels().linear(x, packed)
+    for r in (0, 5, 36):
+        alone = kernels().linear(x[r : r + 1], packed)
+        assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
+
+
+# --- layer ops --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(200, 1e-5, dtype=dtype, device="cpu")
+    norm.weight.data.copy_(torch.randn(200, generator=gen))
+    x = torch.randn(9, 200, generator=gen).to(dtype)
+    residual = torch.randn(9, 200, generator=gen).to(dtype)
+    ref_out, ref_res = norm.add_and_norm(x, residual.clone())
+    ref_plain = norm(x)
+    norm.use_cpu_kernels(kernels())
+    res = residual.clone()
+    out, res_out = norm.add_and_norm(x, res)
+    assert res_out is res  # the sum is written into the residual in place
+    tol = 0 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(norm(x), ref_plain, atol=tol, rtol=tol)
+    heads = x.view(9, 5, 40)[:, :, :]
+    head_norm = RMSNorm(40, 1e-6, dtype=dtype, device="cpu")
+    head_norm.weight.data.copy_(torch.randn(40, generator=gen))
+    ref_heads = head_norm.norm_heads_(heads.clone())
+    head_norm.use_cpu_kernels(kernels())
+    got_heads = heads.clone()
+    head_norm.norm_heads_(got_heads)
+    torch.testing.assert_close(got_heads, ref_heads, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_heads(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    d, hq, hkv = 32, 4, 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    rope = RotaryEmbedding(d, inv_freq, max_positions=300)
+    qkv = torch.randn(11, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, 300, (11,), generator=gen)
+    q, k = qkv[:, : hq * d].view(11, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(11, hkv, d)
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    untouched = qkv[:, (hq + hkv) * d :].clone()
+    rope.use_cpu_kernels(kernels())
+    got_q, got_k = rope(positions, q, k)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # torch rounds each product in bfloat16
+    torch.testing.assert_close(got_q, ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k, ref_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], untouched), "v was written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (torch.randn(7, 2 * 90, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    ref = F.silu(x[:, :90]) * x[:, 90:]
+    tol = 0 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(kernels().silu_and_mul(x), ref, atol=tol, rtol=tol)
+
+
+# --- attention --------------------------------------------------------------------------
+
+# (query_lens, seq_lens): whole prompts, a prompt chunk on cached context, one-token decodes,
+# gamma + 1 verifications, and a long prompt spanning many blocks, in one ragged batch.
+RAGGED = ([7, 1, 3, 20, 1, 5, 40, 2], [7, 1, 30, 45, 64, 5, 40, 9])
+
+
+def to_cpu_layout(
+    k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard ``[block, slot, head, d]`` caches in the CPU backend's layout."""
+    return k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("block_size", "hq", "hkv", "d"),
+    [(4, 4, 2, 16), (16, 4, 2, 64), (32, 6, 2, 32), (16, 8, 1, 128), (16, 3, 3, 64)],
+)
+def test_attention_matches_reference(
+    dtype: torch.dtype, block_size: int, hq: int, hkv: int, d: int
+) -> None:
+    q, k, v, k_cache, v_cache, meta, _ = random_paged_batch(
+        *RAGGED, block_size, hq, hkv, d, seed=block_size + d, dtype=dtype
+    )
+    backend = CpuAttentionBackend(kernels())
+    assert backend.kv_cache_shapes(k_cache.shape[0], block_size, hkv, d) == (
+        (k_cache.shape[0], hkv, d, block_size),
+        (k_cache.shape[0], hkv, block_size, d),
+    )
+    kc, vc = to_cpu_layout(k_cache, v_cache)
+    qkv = torch.cat([q, k, v], dim=1).reshape(q.shape[0], -1)  # q, k, v as strided views
+    qs = qkv[:, : hq * d].view(-1, hq, d)
+    ks = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
+    vs = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+    got = backend.forward(qs, ks, vs, kc, vc, meta, d**-0.5)
+    ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert not got.isnan().any(), "an unwritten (NaN) slot was read"
+    for b in range(meta.num_seqs):
+        rows = slice(int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]))
+        torch.testing.assert_close(
+            got[rows], ref[rows], atol=tol, rtol=tol, msg=lambda m, b=b: f"sequence {b}: {m}"
+        )
+    # the new keys and values landed in their slots of the CPU layout
+    ref_kc, ref_vc = to_cpu_layout(k_cache, v_cache)
+    written = meta.slot_mapping
+    blk, off = written // block_size, written % block_size
+    assert torch.equal(kc[blk, :, :, off], ref_kc[blk, :, :, off])
+    assert torch.equal(vc[blk, :, off], ref_vc[blk, :, off])
+
+
+def test_attention_reads_each_sequence_own_slots() -> None:
+    """Changing one cached key changes exactly the outputs of the sequence holding it, from the
+    first query row that sees its position."""
+    q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(*RAGGED, 16, 4, 2, 64, seed=5)
+    backend = CpuAttentionBackend(kernels())
+    kc, vc = to_cpu_layout(k_cache, v_cache)
+    before = backend.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    b, pos = 4, 37  # sequence 4: one decode row at position 63, context 0..62
+    blk, off = tables[b][pos // 16], pos % 16
+    kc[blk, 0, :, off] += 1.0  # kv head 0 -> query heads 0 and 1
+    after = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    row = int(meta.query_start_loc[b])
+    changed = (after != before).any(dim=-1)  # [T, Hq]
+    expected = torch.zeros_like(changed)
+    expected[row, :2] = True
+    assert torch.equal(changed, expected)
+
+
+# --- whole model ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_model_with_kernels_matches_pure_torch(
+    make_checkpoint, dtype: torch.dtype, arch: str
+) -> None:
+    from tests.test_model import SCHEDULE, random_tokens, run_schedule
+
+    path: Path = make_checkpoint(arch)
+    fast = load_model(path, dtype, "cpu")
+    slow = load_model(path, dtype, "cpu", attention_backend=TorchAttentionBackend(),
+                      use_cpu_kernels=False)  # fmt: skip
+    assert isinstance(fast.attention_backend, CpuAttentionBackend)
+    assert fast.model.layers[0].mlp.down_proj.packed is not None or dtype == torch.bfloat16
+    lengths = [sum(step[b] for step in SCHEDULE) for b in range(len(SCHEDULE[0]))]
+    tokens = random_tokens(lengths, fast.vocab_size, seed=random.Random(arch).randrange(99))
+    got = run_schedule(fast, tokens, SCHEDULE)
+    ref = run_schedule(slow, tokens, SCHEDULE)
+    tol = 0.1 if dtype == torch.bfloat16 else 1e-4
+    for o, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(o, r, atol=tol, rtol=tol)
