@@ -1,4 +1,5 @@
-"""Compile the CPU kernels (``csrc/*.c``) once per machine and load them with ctypes.
+"""Compile the CPU kernels (``csrc/*.c``) once per machine into the extension module
+``_specbatch_cpu`` and import it.
 
 The library is built with the system C compiler for the CPU it runs on (``-march=native``) into
 a cache folder keyed by the sources, the flags, the compiler and the CPU's feature flags, so a
@@ -8,21 +9,25 @@ second start only loads it. Set ``SPECBATCH_CPU_KERNELS=0`` to run the pure-torc
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("gemm.c", "layer_ops.c", "attention.c")
+SOURCES = ("module.c", "gemm.c", "layer_ops.c", "attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+MODULE = "_specbatch_cpu"
 
 
 class KernelBuildError(RuntimeError):
@@ -71,15 +76,18 @@ def library_path() -> Path:
     digest = hashlib.sha256()
     for name in (*SOURCES, "common.h"):
         digest.update((CSRC / name).read_bytes())
-    digest.update(" ".join((*FLAGS, version, *sorted(flags))).encode())
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise KernelBuildError(f"no Python headers (Python.h) under {include}")
+    digest.update(" ".join((*FLAGS, version, include, *sorted(flags))).encode())
     out_dir = cache_dir()
-    lib = out_dir / f"libspecbatch_cpu-{digest.hexdigest()[:16]}.so"
+    lib = out_dir / f"{MODULE}-{digest.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
+    cmd = [cc, *FLAGS, f"-I{include}", "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -91,11 +99,16 @@ def library_path() -> Path:
     return lib
 
 
-def load_library() -> ctypes.CDLL:
-    import torch  # noqa: F401  (torch's OpenMP runtime must be the one the library binds to)
+def load_module() -> ModuleType:
+    import torch  # noqa: F401  (torch's OpenMP runtime must be the one the module binds to)
 
     path = library_path()
     try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError) as e:
         raise KernelBuildError(f"cannot load {path}: {e}") from e
+    return module

@@ -8,70 +8,18 @@ run the pure-torch path.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
-from ctypes import c_float, c_int, c_long, c_void_p
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from specbatch.kernels.build import KernelBuildError, load_library
+from specbatch.kernels.build import KernelBuildError, load_module
 
 logger = logging.getLogger(__name__)
 
-_SIGNATURES: dict[str, list[type]] = {
-    "sb_linear_f32": [c_int, c_int, c_int, c_void_p, c_long, c_void_p, c_void_p, c_void_p, c_long],
-    "sb_linear_bf16": [
-        c_int,
-        c_int,
-        c_int,
-        c_void_p,
-        c_long,
-        c_void_p,
-        c_void_p,
-        c_void_p,
-        c_long,
-        c_int,
-    ],
-    "sb_rms_norm": [c_int, c_int, c_void_p, c_long, c_void_p, c_void_p, c_float, c_void_p, c_int],
-    "sb_head_rms_norm": [c_int, c_int, c_int, c_void_p, c_long, c_void_p, c_float, c_int],
-    "sb_rope": [c_int, c_int, c_int, c_void_p, c_long, c_void_p, c_void_p, c_void_p, c_int],
-    "sb_silu_and_mul": [c_int, c_int, c_void_p, c_void_p, c_int],
-    "sb_write_kv": [
-        c_int,
-        c_int,
-        c_int,
-        c_void_p,
-        c_long,
-        c_void_p,
-        c_long,
-        c_void_p,
-        c_void_p,
-        c_void_p,
-        c_int,
-        c_int,
-    ],
-    "sb_paged_attention": [
-        c_int,
-        c_void_p,
-        c_void_p,
-        c_void_p,
-        c_long,
-        c_void_p,
-        c_long,
-        c_int,
-        c_int,
-        c_int,
-        c_void_p,
-        c_void_p,
-        c_int,
-        c_float,
-        c_void_p,
-        c_int,
-    ],
-}
 PANEL = 16  # output features per weight panel
 
 
@@ -93,14 +41,11 @@ def _is_bf16(t: torch.Tensor) -> int:
 
 
 class CpuKernels:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
-        for name, args in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = args
-            fn.restype = None
-        self.bf16_matmul = bool(lib.sb_has_bf16_dot())
-        self.max_head_dim = int(lib.sb_attention_max_head_dim())
+    def __init__(self, module: ModuleType) -> None:
+        self._m = module
+        info = module.info()
+        self.bf16_matmul = bool(info["bf16_dot"])
+        self.max_head_dim = int(info["max_head_dim"])
 
     # ---- matrix multiplies -------------------------------------------------------------------
     def supports_linear(self, dtype: torch.dtype) -> bool:
@@ -135,12 +80,12 @@ class CpuKernels:
         y = torch.empty((m, w.out_features), dtype=out_dtype or x.dtype)
         b = bias.data_ptr() if bias is not None else None
         if _is_bf16(x):
-            self._lib.sb_linear_bf16(
+            self._m.linear_bf16(
                 m, w.out_features, w.in_features, x.data_ptr(), x.stride(0),
                 w.panels.data_ptr(), b, y.data_ptr(), w.out_features, int(y.dtype != x.dtype),
             )  # fmt: skip
         else:
-            self._lib.sb_linear_f32(
+            self._m.linear_f32(
                 m, w.out_features, w.in_features, x.data_ptr(), x.stride(0),
                 w.panels.data_ptr(), b, y.data_ptr(), w.out_features,
             )  # fmt: skip
@@ -158,7 +103,7 @@ class CpuKernels:
         x = _rows(x)
         out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype)
         r = residual.data_ptr() if residual is not None else None
-        self._lib.sb_rms_norm(
+        self._m.rms_norm(
             x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), r, weight.data_ptr(), eps,
             out.data_ptr(), _is_bf16(x),
         )  # fmt: skip
@@ -167,7 +112,7 @@ class CpuKernels:
     def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         """Per-head RMSNorm in place of ``x [T, H, D]`` (heads D apart)."""
         t, h, d = x.shape
-        self._lib.sb_head_rms_norm(
+        self._m.head_rms_norm(
             t, h, d, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, _is_bf16(x)
         )
 
@@ -177,7 +122,7 @@ class CpuKernels:
         """Rotary embedding in place of ``x [T, H, D]`` (heads D apart), float32 cos/sin tables
         ``[max_positions, D / 2]``."""
         t, h, d = x.shape
-        self._lib.sb_rope(
+        self._m.rope(
             t, h, d, x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), _is_bf16(x),
         )  # fmt: skip
@@ -187,7 +132,7 @@ class CpuKernels:
         x = x.contiguous()
         n = x.shape[1] // 2
         out = torch.empty((x.shape[0], n), dtype=x.dtype)
-        self._lib.sb_silu_and_mul(x.shape[0], n, x.data_ptr(), out.data_ptr(), _is_bf16(x))
+        self._m.silu_and_mul(x.shape[0], n, x.data_ptr(), out.data_ptr(), _is_bf16(x))
         return out
 
     # ---- attention ---------------------------------------------------------------------------
@@ -211,7 +156,7 @@ class CpuKernels:
     ) -> None:
         """Scatter ``k, v [T, Hkv, D]`` (rows may be strided) into their cache slots."""
         t, h, d = k.shape
-        self._lib.sb_write_kv(
+        self._m.write_kv(
             t, h, d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[3], _is_bf16(k),
         )  # fmt: skip
@@ -229,7 +174,7 @@ class CpuKernels:
         """``q [T, Hq, D]`` (rows may be strided) over the cache -> ``[T, Hq, D]``."""
         t, hq, d = q.shape
         out = torch.empty((t, hq, d), dtype=q.dtype)
-        self._lib.sb_paged_attention(
+        self._m.paged_attention(
             seq_lens.shape[0], query_start_loc.data_ptr(), seq_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), q.data_ptr(), q.stride(0), hq,
             k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[3], scale,
@@ -253,7 +198,7 @@ def cpu_kernels() -> CpuKernels | None:
     if os.environ.get("SPECBATCH_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        return CpuKernels(load_library())
+        return CpuKernels(load_module())
     except KernelBuildError as e:
         logger.warning("CPU kernels unavailable, running the pure-torch path (slower): %s", e)
         return None

@@ -101,3 +101,23 @@ def rejection_sample(
     return RejectionResult(
         token_ids=token_ids, num_accepted=num_accepted, num_emitted=num_accepted + 1
     )
+
+
+def greedy_verify(
+    draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_token_ids: torch.Tensor
+) -> RejectionResult:
+    """The rule above when every p and q is one-hot (greedy): a draft is accepted while it
+    equals the target's argmax, and the extra token is the target's argmax at the first
+    mismatch (or the bonus position). ``target_token_ids``: int64 [B, G+1], the argmax at each
+    verified position; entries past ``num_draft[b]`` are ignored."""
+    gamma = draft_token_ids.shape[1]
+    positions = torch.arange(gamma, device=draft_token_ids.device).unsqueeze(0)
+    accepted = (positions < num_draft.unsqueeze(1)) & (
+        draft_token_ids == target_token_ids[:, :gamma]
+    )
+    num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
+    keep = torch.arange(gamma + 1, device=draft_token_ids.device).unsqueeze(0)
+    token_ids = torch.where(keep <= num_accepted.unsqueeze(1), target_token_ids, 0)
+    return RejectionResult(
+        token_ids=token_ids, num_accepted=num_accepted, num_emitted=num_accepted + 1
+    )

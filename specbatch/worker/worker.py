@@ -27,7 +27,7 @@ from specbatch.scheduler.output import (
 )
 from specbatch.worker.model_runner import ModelRunner, build_inputs
 from specbatch.worker.pass_profile import profile_passes
-from specbatch.worker.rejection_sampler import rejection_sample
+from specbatch.worker.rejection_sampler import greedy_verify, rejection_sample
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
 
@@ -118,26 +118,30 @@ class Worker:
         gammas = [r.num_draft for r in sampling] if self.draft is not None else [0] * len(sampling)
         g_max = max(gammas, default=0)
         params = [self._states[r.request_id].params for r in sampling]
+        # an all-greedy step needs no distributions: argmaxes and the one-hot limit of the rule
+        greedy = all(sp.greedy for sp in params)
         uniforms = self._draw_uniforms(sampling, gammas, g_max)
         t0 = time.perf_counter()
-        drafts, q = self._propose(reqs, sampling, gammas, g_max, params, uniforms[:, :g_max])
+        drafts, q = self._propose(
+            reqs, sampling, gammas, g_max, params, uniforms[:, :g_max], greedy
+        )
         if self.sync_phases:
             self._sync()
         t1 = time.perf_counter()
-        p = self._verify(reqs, sampling, drafts, gammas, g_max, params)
+        p = self._verify(reqs, sampling, drafts, gammas, g_max, params, greedy)
         if self.sync_phases:
             self._sync()
         t2 = time.perf_counter()
         if not sampling:
             return StepResult(timings={"draft": t1 - t0, "target": t2 - t1, "sample": 0.0})
-        out = rejection_sample(
-            drafts,
-            torch.tensor(gammas, dtype=torch.int64, device=self.device),
-            q,
-            p,
-            uniforms[:, g_max : 2 * g_max],
-            uniforms[:, 2 * g_max],
-        )
+        num_draft = torch.tensor(gammas, dtype=torch.int64, device=self.device)
+        if greedy:
+            out = greedy_verify(drafts, num_draft, p)
+        else:
+            assert q is not None
+            out = rejection_sample(
+                drafts, num_draft, q, p, uniforms[:, g_max : 2 * g_max], uniforms[:, 2 * g_max]
+            )
         host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
         t3 = time.perf_counter()
         results = {
@@ -173,11 +177,15 @@ class Worker:
         g_max: int,
         params: list[SamplingParams],
         draft_u: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens [B, G] and the distributions q [B, G, V] they were sampled from."""
+        greedy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [B, G] and the distributions q [B, G, V] they were sampled from (None
+        when every request is greedy: the drafts are then the draft model's argmaxes)."""
         vocab = self.config.target.vocab_size
         drafts = torch.zeros((len(sampling), g_max), dtype=torch.int64, device=self.device)
-        q = torch.zeros((len(sampling), g_max, vocab), dtype=torch.float32, device=self.device)
+        q = None
+        if not greedy:
+            q = torch.zeros((len(sampling), g_max, vocab), dtype=torch.float32, device=self.device)
         draft = self.draft
         if draft is None:
             return drafts, q
@@ -204,12 +212,15 @@ class Worker:
         active = proposers
         for j in range(g_max):
             idx = torch.tensor(active, dtype=torch.int64, device=self.device)
-            probs = logits_to_probs(
-                logits, _sampling_tensors([params[i] for i in active], self.device)
-            )
-            tokens = sample(probs, draft_u[idx, j])
+            if q is None:
+                tokens = logits.argmax(dim=-1)
+            else:
+                probs = logits_to_probs(
+                    logits, _sampling_tensors([params[i] for i in active], self.device)
+                )
+                tokens = sample(probs, draft_u[idx, j])
+                q[idx, j] = probs
             drafts[idx, j] = tokens
-            q[idx, j] = probs
             still = [i for i in active if gammas[i] > j + 1]
             if not still:
                 break
@@ -238,8 +249,10 @@ class Worker:
         gammas: list[int],
         g_max: int,
         params: list[SamplingParams],
+        greedy: bool,
     ) -> torch.Tensor:
-        """One ragged target pass; returns p [B_sampling, G+1, V] at the verified positions."""
+        """One ragged target pass; returns p [B_sampling, G+1, V] at the verified positions,
+        or (``greedy``) the target's argmax there, [B_sampling, G+1]."""
         gamma_of = {r.request_id: g for r, g in zip(sampling, gammas)}
         ids: list[int] = []
         q_lens: list[int] = []
@@ -282,6 +295,9 @@ class Worker:
         logits = self.target.forward(inputs, rows if logit_rows else None)
         if not sampling:
             return logits.new_empty((0, g_max + 1, logits.shape[-1]))
+        if greedy:
+            rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
+            return logits.argmax(dim=-1).index_select(0, rows).view(len(sampling), g_max + 1)
         st = _sampling_tensors(params, self.device).repeat_interleave([g + 1 for g in gammas])
         probs = logits_to_probs(logits, st)
         rows = torch.tensor(expand, dtype=torch.int64, device=self.device)

@@ -124,8 +124,13 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
         long phys = bt[start / bs];
         const char* kb = a->k_cache + ((phys * a->hkv + kvh) * head_elems) * esz;
         const char* vb = a->v_cache + ((phys * a->hkv + kvh) * head_elems) * esz;
-        if (start + bs < kend) {
-            long next = bt[start / bs + 1];
+        if (start == 0 && bs < kend) { /* the first two blocks are fetched together */
+            long next = bt[1];
+            prefetch_block(a->k_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
+            prefetch_block(a->v_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
+        }
+        if (start + 2 * bs < kend) {
+            long next = bt[start / bs + 2];
             prefetch_block(a->k_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
             prefetch_block(a->v_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
         }
@@ -170,11 +175,16 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
 }
 
 SB_INLINE void run_tile(const attn_args* a, int b, int kvh, int v0, int nv, const int bf16) {
-    if (nv <= 1) tile(1, a, b, kvh, v0, nv, bf16);
-    else if (nv <= 2) tile(2, a, b, kvh, v0, nv, bf16);
-    else if (nv <= 4) tile(4, a, b, kvh, v0, nv, bf16);
-    else if (nv <= 8) tile(8, a, b, kvh, v0, nv, bf16);
-    else tile(16, a, b, kvh, v0, nv, bf16);
+    switch (nv) {
+        case 1: tile(1, a, b, kvh, v0, nv, bf16); break;
+        case 2: tile(2, a, b, kvh, v0, nv, bf16); break;
+        case 3: tile(3, a, b, kvh, v0, nv, bf16); break;
+        case 4: tile(4, a, b, kvh, v0, nv, bf16); break;
+        case 5: case 6: tile(6, a, b, kvh, v0, nv, bf16); break;
+        case 7: case 8: tile(8, a, b, kvh, v0, nv, bf16); break;
+        case 9: case 10: case 11: case 12: tile(12, a, b, kvh, v0, nv, bf16); break;
+        default: tile(16, a, b, kvh, v0, nv, bf16); break;
+    }
 }
 
 SB_INLINE void attention_impl(const attn_args* a, int num_seqs, const int bf16) {

@@ -1,0 +1,97 @@
+/* The Python module `_specbatch_cpu`: one METH_FASTCALL function per kernel, taking plain
+ * ints (data pointers, sizes, strides; None for an absent pointer) and floats, and releasing
+ * the GIL while the kernel runs. cpu.py turns tensors into those arguments. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef union {
+    long long i;
+    double f;
+    void* p;
+} arg_t;
+
+/* fmt: one letter per argument: i (int), p (pointer as int, or None), f (float). */
+static int parse(PyObject* const* args, Py_ssize_t n, const char* fmt, arg_t* out) {
+    Py_ssize_t want = (Py_ssize_t)strlen(fmt);
+    if (n != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, n);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject* a = args[k];
+        switch (fmt[k]) {
+            case 'i':
+                out[k].i = PyLong_AsLongLong(a);
+                break;
+            case 'p':
+                out[k].p = a == Py_None ? NULL : PyLong_AsVoidPtr(a);
+                break;
+            case 'f':
+                out[k].f = PyFloat_AsDouble(a);
+                break;
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+void sb_linear_f32(int, int, int, const float*, long, const float*, const float*, float*, long);
+void sb_linear_bf16(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*, void*,
+                    long, int);
+void sb_rms_norm(int, int, const void*, long, void*, const void*, float, void*, int);
+void sb_head_rms_norm(int, int, int, void*, long, const void*, float, int);
+void sb_rope(int, int, int, void*, long, const int64_t*, const float*, const float*, int);
+void sb_silu_and_mul(int, int, const void*, void*, int);
+void sb_write_kv(int, int, int, const void*, long, const void*, long, const int64_t*, void*, void*,
+                 int, int);
+void sb_paged_attention(int, const int64_t*, const int64_t*, const int64_t*, long, const void*,
+                        long, int, int, int, const void*, const void*, int, float, void*, int);
+int sb_has_bf16_dot(void);
+int sb_attention_max_head_dim(void);
+
+#define I(k) ((int)a[k].i)
+#define L(k) ((long)a[k].i)
+#define P(k) (a[k].p)
+#define F(k) ((float)a[k].f)
+
+#define WRAP(name, fmt, call)                                                     \
+    static PyObject* py_##name(PyObject* self, PyObject* const* args, Py_ssize_t n) { \
+        (void)self;                                                               \
+        arg_t a[24];                                                              \
+        if (parse(args, n, fmt, a) < 0) return NULL;                              \
+        Py_BEGIN_ALLOW_THREADS call;                                              \
+        Py_END_ALLOW_THREADS Py_RETURN_NONE;                                      \
+    }
+
+WRAP(linear_f32, "iiipipppi", sb_linear_f32(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), L(8)))
+WRAP(linear_bf16, "iiipipppii",
+     sb_linear_bf16(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), L(8), I(9)))
+WRAP(rms_norm, "iipippfpi", sb_rms_norm(I(0), I(1), P(2), L(3), P(4), P(5), F(6), P(7), I(8)))
+WRAP(head_rms_norm, "iiipipfi", sb_head_rms_norm(I(0), I(1), I(2), P(3), L(4), P(5), F(6), I(7)))
+WRAP(rope, "iiipipppi", sb_rope(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), I(8)))
+WRAP(silu_and_mul, "iippi", sb_silu_and_mul(I(0), I(1), P(2), P(3), I(4)))
+WRAP(write_kv, "iiipipipppii",
+     sb_write_kv(I(0), I(1), I(2), P(3), L(4), P(5), L(6), P(7), P(8), P(9), I(10), I(11)))
+WRAP(paged_attention, "ipppipiiiippifpi",
+     sb_paged_attention(I(0), P(1), P(2), P(3), L(4), P(5), L(6), I(7), I(8), I(9), P(10), P(11),
+                        I(12), F(13), P(14), I(15)))
+
+static PyObject* py_info(PyObject* self, PyObject* unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("{s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "max_head_dim",
+                         sb_attention_max_head_dim());
+}
+
+#define FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
+static PyMethodDef methods[] = {
+    FAST(linear_f32), FAST(linear_bf16), FAST(rms_norm), FAST(head_rms_norm), FAST(rope),
+    FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention),
+    {"info", py_info, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_specbatch_cpu", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__specbatch_cpu(void) { return PyModule_Create(&module); }
