@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from specbatch.errors import InvalidInputError
+from specbatch.speculative_config import (
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    SpeculativeArgs,
+    parse_speculative_config,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -152,10 +158,15 @@ class EngineConfig:
     # num_speculative_tokens="auto": gamma chosen per request and step, up to
     # num_speculative_tokens (then the max draft length)
     adaptive_speculation: bool = False
+    spec_method: str = "draft_model"  # who proposes: "draft_model" or "ngram"
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None and self.num_speculative_tokens > 0
+        if self.num_speculative_tokens <= 0:
+            return False
+        return self.draft is not None or self.spec_method == "ngram"
 
 
 @dataclass
@@ -182,6 +193,29 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
     attention_backend: str = "auto"
+    speculative_config: dict[str, Any] | str | None = None
+
+    def _speculative_args(self) -> SpeculativeArgs:
+        """``speculative_config`` checked, or the shorthand flags as one."""
+        if self.speculative_config is None:
+            return SpeculativeArgs(
+                "draft_model",
+                self.draft_model,
+                self.num_speculative_tokens,
+                draft_tensor_parallel_size=self.draft_tensor_parallel_size,
+                max_draft_length=self.max_draft_length,
+            )
+        shorthands = [
+            name
+            for name in ("draft_model", "num_speculative_tokens", "draft_tensor_parallel_size")
+            if getattr(self, name) is not None
+        ]
+        if shorthands:
+            raise InvalidInputError(
+                f"speculative_config and {', '.join(shorthands)} were both given: use one "
+                "(the flags are shorthands for speculative_config's fields)"
+            )
+        return parse_speculative_config(self.speculative_config)
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
@@ -199,29 +233,32 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
+        spec = self._speculative_args()
         model_path = self.model or default_model_path("target")
         target = self._model_config(model_path, "model", self.tokenizer, device, self.dtype)
         draft = None
-        k = self.num_speculative_tokens
+        k = spec.num_speculative_tokens
         adaptive = k == "auto"
         if adaptive:
-            _check_positive_int("max_draft_length", self.max_draft_length)
-            k = self.max_draft_length
+            max_draft = spec.max_draft_length or self.max_draft_length
+            _check_positive_int("max_draft_length", max_draft)
+            k = max_draft
         elif isinstance(k, str):
             raise InvalidInputError(
                 f"num_speculative_tokens must be an integer >= 0 or 'auto', got {k!r}"
             )
+        ngram = spec.method == "ngram"
         # The built-in pair speculates by default; any other target only with a draft given.
-        use_builtin_draft = self.model is None and self.draft_model is None and k != 0
-        if self.draft_model is not None or use_builtin_draft:
-            draft_path = self.draft_model or default_model_path("draft")
+        use_builtin_draft = not ngram and self.model is None and spec.model is None and k != 0
+        if spec.model is not None or use_builtin_draft:
+            draft_path = spec.model or default_model_path("draft")
             draft = self._model_config(draft_path, "draft_model", None, device, self.dtype)
             check_same_vocabulary(target, draft)
-            if k is None:
-                k = DEFAULT_NUM_SPECULATIVE_TOKENS
+        if k is None and (draft is not None or ngram):
+            k = DEFAULT_NUM_SPECULATIVE_TOKENS
         k = 0 if k is None else k
         _check_positive_int("num_speculative_tokens", k, minimum=0)
-        if k > 0 and draft is None:
+        if k > 0 and draft is None and not ngram:
             raise InvalidInputError(
                 f"num_speculative_tokens={k} needs a draft model (draft_model is not set)"
             )
@@ -240,7 +277,7 @@ class EngineArgs:
 
         tp = self.tensor_parallel_size
         check_tensor_parallel(target, tp, "model")
-        draft_tp = self.draft_tensor_parallel_size
+        draft_tp = spec.draft_tensor_parallel_size
         if draft_tp is None:
             draft_tp = 1
         if draft_tp not in (1, tp):
@@ -279,6 +316,9 @@ class EngineArgs:
             ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
             attention_backend=self.attention_backend,
             adaptive_speculation=adaptive and k > 0,
+            spec_method=spec.method,
+            prompt_lookup_max=spec.prompt_lookup_max,
+            prompt_lookup_min=spec.prompt_lookup_min,
         )
 
     @staticmethod

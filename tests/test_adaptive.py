@@ -358,7 +358,9 @@ def observe_rounds(pol: AdaptiveDraftLength, req: Request, rounds: list[tuple[in
     pol.draft_lengths([req])  # the policy learns the request's sampling class
     for num_draft, accepted in rounds:
         sr = ScheduledRequest(req.request_id, [1], 8, [1], 8, num_draft, True, [0])
-        result = StepResult({req.request_id: RequestStepResult([1] * (accepted + 1), accepted)})
+        result = StepResult(
+            {req.request_id: RequestStepResult([1] * (accepted + 1), accepted, num_draft)}
+        )
         pol.observe(SchedulerOutput(requests=[sr]), result, 0.01)
 
 
@@ -538,7 +540,7 @@ def test_replans_less_often_where_a_replan_is_dear_against_a_step():
                 ScheduledRequest(r.request_id, [1], 8, [1], 8, g, True, [0])
                 for r, g in zip(batch, gammas)
             ]
-            results = {r.request_id: RequestStepResult([1], 0) for r in batch}
+            results = {r.request_id: RequestStepResult([1], 0, g) for r, g in zip(batch, gammas)}
             p.observe(SchedulerOutput(requests=srs), StepResult(results), step_seconds)
         return len(calls)
 
@@ -624,7 +626,7 @@ def run(
                     a += 1
                 base = sr.target_start + len(sr.target_token_ids)
                 toks = [100 + base + i for i in range(a + 1)]
-                result.results[sr.request_id] = RequestStepResult(toks, a)
+                result.results[sr.request_id] = RequestStepResult(toks, a, sr.num_draft)
         gammas = [sr.num_draft for sr in plan.requests if sr.sample]
         seconds = simulated_seconds(plan, target, draft)
         sched.update(plan, result)

@@ -102,8 +102,17 @@ def engines(pair, ray_cluster) -> Iterator[Any]:
 
     def get(name: str, tp: int) -> LLM:
         if (name, tp) not in built:
-            gamma = {"plain": 0, "spec": GAMMA, "auto": "auto"}[name]
-            built[name, tp] = engine(pair, gamma, seed=SEED, tensor_parallel_size=tp)
+            if name == "ngram":
+                built[name, tp] = LLM(
+                    str(pair[0]),
+                    speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA,
+                                        "prompt_lookup_min": 1},
+                    seed=SEED, tensor_parallel_size=tp, max_num_seqs=256, num_kv_blocks=512,
+                    block_size=4, max_model_len=64,
+                )  # fmt: skip
+            else:
+                gamma = {"plain": 0, "spec": GAMMA, "auto": "auto"}[name]
+                built[name, tp] = engine(pair, gamma, seed=SEED, tensor_parallel_size=tp)
         return built[name, tp]
 
     yield get
@@ -158,12 +167,14 @@ def _process_alive(pid: int) -> bool:
 
 
 # ---- outputs equal TP=1 --------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["plain", "spec"])
+@pytest.mark.parametrize("name", ["plain", "spec", "ngram"])
 def test_greedy_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), GREEDY) == token_ids(engines(name, 1), GREEDY)
+    if name == "ngram":
+        assert engines(name, 2).engine.metrics.spec.proposed > 0
 
 
-@pytest.mark.parametrize("name", ["plain", "spec"])
+@pytest.mark.parametrize("name", ["plain", "spec", "ngram"])
 def test_seeded_sampling_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), SEEDED) == token_ids(engines(name, 1), SEEDED)
 

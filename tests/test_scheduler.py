@@ -44,7 +44,9 @@ def simulate(plan: SchedulerOutput, rng: random.Random) -> StepResult:
             a = rng.randint(0, sr.num_draft)
             base = sr.target_start + len(sr.target_token_ids)
             out.results[sr.request_id] = RequestStepResult(
-                token_ids=[1000 + base + i for i in range(a + 1)], num_accepted=a
+                token_ids=[1000 + base + i for i in range(a + 1)],
+                num_accepted=a,
+                num_proposed=sr.num_draft,
             )
     return out
 
@@ -146,13 +148,13 @@ def test_rollback_moves_counters_and_truncates_the_table():
     sched, kv = make_scheduler(num_blocks=32, block_size=4, k=6)
     sched.add_request(request("a", prompt_len=7, max_tokens=50))
     plan = sched.schedule()
-    sched.update(plan, StepResult({"a": RequestStepResult([100], 0)}))  # prefill: 8 tokens
+    sched.update(plan, StepResult({"a": RequestStepResult([100], 0, 0)}))  # prefill: 8 tokens
     plan = sched.schedule()
     (sr,) = plan.requests
     assert sr.num_draft == 6 and sr.target_token_ids == [100] and sr.target_start == 7
     assert sr.draft_token_ids == [100]  # the draft read the prompt alongside the target
     assert len(sr.block_table) == 4  # slots 0..14: 8 known tokens + 6 drafts + 1
-    sched.update(plan, StepResult({"a": RequestStepResult([101, 102, 103], 2)}))
+    sched.update(plan, StepResult({"a": RequestStepResult([101, 102, 103], 2, 6)}))
     req = sched.requests["a"]
     assert req.num_computed == 10 and req.num_tokens == 11
     assert req.num_draft_computed == 10  # the draft saw d1, d2 (accepted), not d3..
@@ -161,7 +163,7 @@ def test_rollback_moves_counters_and_truncates_the_table():
     plan = sched.schedule()
     (sr,) = plan.requests
     assert sr.draft_token_ids == [103]
-    sched.update(plan, StepResult({"a": RequestStepResult(list(range(7)), 6)}))
+    sched.update(plan, StepResult({"a": RequestStepResult(list(range(7)), 6, 6)}))
     assert req.num_computed == 17 and req.num_draft_computed == 16
     plan = sched.schedule()
     assert plan.requests[0].draft_token_ids == [5, 6]
@@ -173,7 +175,7 @@ def test_draft_length_shrinks_before_any_preemption():
         for rid in "ab":
             sched.add_request(request(rid, prompt_len=7, max_tokens=10, max_len=24))
         plan = sched.schedule()  # both prefill: 2 blocks each
-        sched.update(plan, StepResult({r: RequestStepResult([1], 0) for r in "ab"}))
+        sched.update(plan, StepResult({r: RequestStepResult([1], 0, 0) for r in "ab"}))
         plan = sched.schedule()
         by_id = {r.request_id: r for r in plan.requests}
         assert plan.num_preempted == 0 and set(by_id) == {"a", "b"}
@@ -187,12 +189,14 @@ def test_never_drafts_past_max_tokens_or_max_model_len():
     sched.add_request(request("a", prompt_len=5, max_tokens=4, max_len=20))
     sched.add_request(request("b", prompt_len=15, max_tokens=100, max_len=20))
     plan = sched.schedule()
-    sched.update(plan, StepResult({r.request_id: RequestStepResult([7], 0) for r in plan.requests}))
+    sched.update(
+        plan, StepResult({r.request_id: RequestStepResult([7], 0, 0) for r in plan.requests})
+    )
     plan = sched.schedule()
     by_id = {r.request_id: r for r in plan.requests}
     assert by_id["a"].num_draft == 2  # 1 emitted, 3 left: 2 drafts + 1 bonus
     assert by_id["b"].num_draft == 3  # 16 of 20 tokens known: 3 drafts + 1 bonus fill it
-    results = {"a": RequestStepResult([1, 2, 3], 2), "b": RequestStepResult([1, 2, 3, 4], 3)}
+    results = {"a": RequestStepResult([1, 2, 3], 2, 2), "b": RequestStepResult([1, 2, 3, 4], 3, 3)}
     sched.update(plan, StepResult(results))
     assert not sched.has_unfinished()
 
@@ -201,9 +205,9 @@ def test_stop_token_inside_an_accepted_run_ends_the_request_there():
     sched, kv = make_scheduler(k=4)
     sched.add_request(request("a", prompt_len=3, max_tokens=20, stop_token_ids=[42]))
     plan = sched.schedule()
-    sched.update(plan, StepResult({"a": RequestStepResult([5], 0)}))
+    sched.update(plan, StepResult({"a": RequestStepResult([5], 0, 0)}))
     plan = sched.schedule()
-    (req,) = sched.update(plan, StepResult({"a": RequestStepResult([6, 42, 8, 9], 3)}))
+    (req,) = sched.update(plan, StepResult({"a": RequestStepResult([6, 42, 8, 9], 3, 4)}))
     assert req.output_token_ids == [5, 6, 42]
     assert req.finish_reason is FinishReason.STOP and req.stop_reason == 42
     assert kv.num_free_blocks == kv.num_blocks

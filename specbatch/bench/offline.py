@@ -54,7 +54,7 @@ from specbatch.bench.cells import (
     crossover,
     pool_runs,
 )
-from specbatch.bench.workload import build_workload, mixed, spread_output_lengths
+from specbatch.bench.workload import WORKLOADS, build_workload, mixed, spread_output_lengths
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
@@ -131,6 +131,10 @@ class BenchConfig:
     # "steps": a round's cells side by side, a step at a time (cell_run.py); "cells": one
     # after another, each engine alone on the machine
     interleave: str = "steps"
+    # the drafter as speculative_config (its num_speculative_tokens comes from the grid);
+    # None: the draft model (``draft_model``, or the built-in pair's)
+    speculative_config: dict[str, Any] | None = None
+    workload: str = "heldout"  # "heldout" stdlib windows, or "grounded" (bench/workload.py)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more EngineArgs fields
 
     def check(self) -> None:
@@ -152,8 +156,13 @@ class BenchConfig:
         if self.interleave not in INTERLEAVE:
             choices = ", ".join(INTERLEAVE)
             raise bad("interleave", f"must be one of {choices}, got {self.interleave!r}")
-        if self.max_draft_length > 0 and self.model is not None and self.draft_model is None:
-            raise bad("draft_lengths", "above 0 need a draft model (--draft-model)")
+        if self.workload not in WORKLOADS:
+            raise bad("workload", f"must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        drafter = self.draft_model is not None or self.speculative_config is not None
+        if self.max_draft_length > 0 and self.model is not None and not drafter:
+            raise bad(
+                "draft_lengths", "above 0 need a drafter (--draft-model or --speculative-config)"
+            )
 
     @property
     def max_draft_length(self) -> int:
@@ -201,14 +210,16 @@ def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
     model_len = cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
-    args = EngineArgs(
-        model=cfg.model,
-        draft_model=cfg.draft_model if k != 0 else None,
-        num_speculative_tokens="auto" if k == AUTO else k,
-        max_draft_length=cfg.max_draft_length,
-        seed=cfg.seed,
-        **kwargs,
-    )
+    draft_length: int | str = "auto" if k == AUTO else k
+    if cfg.speculative_config is not None and k != 0:
+        spec = dict(cfg.speculative_config, num_speculative_tokens=draft_length)
+        spec["max_draft_length"] = cfg.max_draft_length
+        kwargs["speculative_config"] = spec
+    else:
+        kwargs["draft_model"] = cfg.draft_model if k != 0 else None
+        kwargs["num_speculative_tokens"] = draft_length
+        kwargs["max_draft_length"] = cfg.max_draft_length
+    args = EngineArgs(model=cfg.model, seed=cfg.seed, **kwargs)
     return LLMEngine.from_engine_args(args)
 
 
@@ -267,6 +278,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             num_prompts=max(64, WARMUP_REQUESTS + cfg.repeats * max(map(cfg.requests_for, sizes))),
             prompts_file=cfg.prompts_file,
             seed=cfg.seed,
+            grounded=cfg.workload == "grounded",
         )
         if cfg.mixed_hard_temperature is not None:
             workload = mixed(workload, engines[lengths[0]].tokenizer, cfg.mixed_hard_temperature)

@@ -16,6 +16,8 @@ from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
 
 TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pair" / "training.json"
+WORKLOADS = ("heldout", "grounded")
+GROUNDED_REPEAT = 16  # tokens of a function repeated after it in a grounded prompt
 
 
 @dataclass
@@ -96,28 +98,88 @@ def _fit(ids: Sequence[int], length: int) -> list[int]:
     return (list(ids) * reps)[:length]
 
 
-def heldout_token_stream(tokenizer: Any) -> tuple[list[int], str]:
+def heldout_texts() -> tuple[list[str], str]:
     """The built-in pair's held-out stdlib files (training.json), read from this interpreter's
-    stdlib and tokenized end to end."""
+    stdlib, and where they were found."""
     meta = json.loads(TRAINING_JSON.read_text())
     paths = meta["data"]["heldout_files"]["paths"]
     root = Path(sysconfig.get_paths()["stdlib"])
-    ids: list[int] = []
-    found = 0
+    texts = []
     for rel in paths:
-        f = root / rel
         try:
-            text = f.read_text(encoding="utf-8")
+            texts.append((root / rel).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):
             continue
-        found += 1
-        try:  # whole files are longer than the models' context: no warning for that
-            ids.extend(tokenizer.encode(text, verbose=False))
-        except TypeError:
-            ids.extend(tokenizer.encode(text))
-    if not ids:
+    if not texts:
         raise InvalidInputError(f"prompts: none of the held-out stdlib files is under {root}")
-    return ids, f"held-out stdlib files ({found}/{len(paths)} under {root})"
+    return texts, f"held-out stdlib files ({len(texts)}/{len(paths)} under {root})"
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    try:  # whole files are longer than the models' context: no warning for that
+        return list(tokenizer.encode(text, verbose=False))
+    except TypeError:
+        return list(tokenizer.encode(text))
+
+
+def heldout_token_stream(tokenizer: Any) -> tuple[list[int], str]:
+    """The held-out stdlib files tokenized end to end."""
+    texts, source = heldout_texts()
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(_encode(tokenizer, text))
+    return ids, source
+
+
+def functions(text: str) -> list[str]:
+    """The ``def`` blocks of a Python source: from a ``def`` line to the next line that is
+    indented no deeper (blank lines aside)."""
+    lines = text.splitlines(keepends=True)
+    out = []
+    for i, line in enumerate(lines):
+        stripped = line.lstrip()
+        if not stripped.startswith("def "):
+            continue
+        indent = len(line) - len(stripped)
+        end = i + 1
+        while end < len(lines):
+            nxt = lines[end]
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                break
+            end += 1
+        out.append("".join(lines[i:end]))
+    return out
+
+
+def grounded_prompts(
+    tokenizer: Any, input_len: int, num_prompts: int, seed: int = 0
+) -> tuple[list[list[int]], str]:
+    """Input-grounded prompts, whose natural continuation copies a span of the prompt: a
+    held-out stdlib function's first ``input_len - GROUNDED_REPEAT - 2`` tokens, a blank line,
+    then its first ``GROUNDED_REPEAT`` tokens again (a model that continues the repeat copies
+    the function from there on)."""
+    texts, source = heldout_texts()
+    sep = _encode(tokenizer, "\n\n")
+    body = input_len - GROUNDED_REPEAT - len(sep)
+    if body <= GROUNDED_REPEAT:
+        raise InvalidInputError(
+            f"input_len: the grounded workload needs more than {2 * GROUNDED_REPEAT + len(sep)} "
+            f"tokens, got {input_len}"
+        )
+    pool = []
+    for text in texts:
+        for fn in functions(text):
+            ids = _encode(tokenizer, fn)
+            if len(ids) >= body:
+                pool.append(ids[:body] + sep + ids[:GROUNDED_REPEAT])
+    if not pool:
+        raise InvalidInputError(f"input_len: no held-out function has {body} tokens")
+    rng = random.Random(seed)
+    prompts = [pool[rng.randrange(len(pool))] for _ in range(num_prompts)]
+    return prompts, (
+        f"grounded: {len(pool)} functions of {source}, each cut to {body} tokens and followed "
+        f"by a blank line and its first {GROUNDED_REPEAT} tokens again"
+    )
 
 
 def build_workload(
@@ -128,12 +190,19 @@ def build_workload(
     num_prompts: int,
     prompts_file: str | None = None,
     seed: int = 0,
+    grounded: bool = False,
 ) -> Workload:
     """The prompts: from ``prompts_file`` (.txt or .jsonl, each cut or repeated to
-    ``input_len`` tokens), else windows of ``input_len`` tokens at random offsets of the held-out
-    stdlib text, else (a model without a tokenizer) random token ids."""
+    ``input_len`` tokens), else ``grounded_prompts`` when ``grounded``, else windows of
+    ``input_len`` tokens at random offsets of the held-out stdlib text, else (a model without
+    a tokenizer) random token ids."""
     rng = random.Random(seed)
     tok = engine.tokenizer
+    if grounded:
+        if tok is None:
+            raise InvalidInputError("workload: the grounded workload needs a tokenizer")
+        prompts, source = grounded_prompts(tok, input_len, num_prompts, seed)
+        return Workload(prompts, input_len, output_len, source)
     if prompts_file is not None:
         from specbatch.entrypoints.prompts_file import read_prompts
 

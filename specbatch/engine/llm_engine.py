@@ -55,6 +55,7 @@ class LLMEngine:
             self.stop_checker,
             policy=policy,
             speculative=config.speculative,
+            drafter_kv=config.draft is not None,
         )
         self.metrics = EngineMetrics()
         self._ids = itertools.count()

@@ -30,7 +30,7 @@ class EngineMetrics:
             r = result.results.get(sr.request_id)
             if r is not None:
                 self.num_generated_tokens += len(r.token_ids)
-                self.spec.record(sr.num_draft, r.num_accepted)
+                self.spec.record(r.num_proposed, r.num_accepted)
 
     def summary(self) -> dict[str, float | int | list[float] | None]:
         s = self.spec

@@ -142,6 +142,14 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         "ones (the prompts sampled at temperature T); --temperature is then unused",
     )
     p.add_argument(
+        "--workload",
+        choices=("heldout", "grounded"),
+        default="heldout",
+        help="heldout: windows of the built-in pair's held-out stdlib files; grounded: each a "
+        "held-out function followed by its first lines again, so outputs copy spans of the "
+        "prompt (what n-gram drafting is for; give --input-len 256 or so) (default: heldout)",
+    )
+    p.add_argument(
         "--out",
         default="bench_results/bench",
         metavar="PATH",
@@ -176,9 +184,19 @@ def add_parser(subparsers: Any) -> Any:
 def config_from(args: argparse.Namespace) -> Any:
     from specbatch.bench.offline import BenchConfig
     from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
+    from specbatch.speculative_config import parse_speculative_config
 
-    skip = {"model", "draft_model", "seed", *_OWN_ENGINE_FIELDS}
+    skip = {"model", "draft_model", "seed", "speculative_config", *_OWN_ENGINE_FIELDS}
     engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field not in skip}
+    spec = None
+    if args.speculative_config is not None:  # the drafter; its draft lengths are the grid's
+        parsed = parse_speculative_config(args.speculative_config)
+        spec = {"method": parsed.method, "prompt_lookup_max": parsed.prompt_lookup_max,
+                "prompt_lookup_min": parsed.prompt_lookup_min}  # fmt: skip
+        if parsed.model is not None:
+            spec["model"] = parsed.model
+        if parsed.draft_tensor_parallel_size is not None:
+            spec["draft_tensor_parallel_size"] = parsed.draft_tensor_parallel_size
     return BenchConfig(
         model=args.model,
         draft_model=args.draft_model,
@@ -194,6 +212,8 @@ def config_from(args: argparse.Namespace) -> Any:
         repeats=args.repeats,
         interleave=args.interleave,
         seed=args.seed,
+        speculative_config=spec,
+        workload=args.workload,
         engine_kwargs=engine_kwargs,
     )
 

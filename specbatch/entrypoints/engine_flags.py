@@ -69,6 +69,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         metavar="DIR",
     ),
     Flag(
+        "speculative_config",
+        str,
+        "the drafter as vLLM's JSON, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": "auto"}\'; '
+        "--draft-model and --num-speculative-tokens are shorthands for it",
+        metavar="JSON",
+    ),
+    Flag(
         "num_speculative_tokens",
         draft_length_arg,
         "draft tokens proposed per round, or auto: chosen per request and step for throughput, "

@@ -54,10 +54,12 @@ class SchedulerOutput:
 
 @dataclass
 class RequestStepResult:
-    """Per scheduled request that sampled: tokens emitted and drafts accepted."""
+    """Per scheduled request that sampled: tokens emitted, drafts accepted, and drafts the
+    drafter proposed (at most the request's ``num_draft``; an n-gram lookup may find none)."""
 
     token_ids: list[int]
     num_accepted: int
+    num_proposed: int
 
 
 @dataclass

@@ -42,12 +42,16 @@ class Scheduler:
         stop_checker: StopChecker,
         policy: SpeculationPolicy | None = None,
         speculative: bool = False,
+        drafter_kv: bool = True,
     ) -> None:
+        """``drafter_kv``: the drafter keeps a KV cache that must see every token (a draft
+        model), so each step sends it the tokens it has not seen; an n-gram drafter has none."""
         self.limits = limits
         self.kv = kv_cache
         self.stop_checker = stop_checker
         self.policy: SpeculationPolicy = policy or FixedDraftLength(0)
         self.speculative = speculative
+        self.drafter_kv = speculative and drafter_kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -115,7 +119,7 @@ class Scheduler:
             # The draft catches up on its unseen tokens in the steps where it proposes, and on
             # prompt chunks unless the policy is lazy; a decoding request that drafts nothing
             # this step lets it lag, so a gamma of 0 costs no draft work at all.
-            catch_up = self.speculative and (
+            catch_up = self.drafter_kv and (
                 rid in gammas or (self._prompt_chunk(req, n) and not self._lazy_draft)
             )
             draft_tokens = req.token_slice(req.num_draft_computed, end) if catch_up else []
@@ -230,9 +234,9 @@ class Scheduler:
             r = result.results[sr.request_id]
             req.num_computed = base + r.num_accepted
             req.num_draft_computed = min(drafted_into, req.num_computed)
-            if sr.num_draft:
-                req.spec.record(sr.num_draft, r.num_accepted)
-                req.draft_lengths.append(sr.num_draft)
+            if r.num_proposed:
+                req.spec.record(r.num_proposed, r.num_accepted)
+                req.draft_lengths.append(r.num_proposed)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now

@@ -40,7 +40,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def rejection_sample(
     draft_token_ids: torch.Tensor,
     num_draft: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     accept_u: torch.Tensor,
     final_u: torch.Tensor,
@@ -50,7 +50,9 @@ def rejection_sample(
     Args:
         draft_token_ids: int64 [B, G]; entries at positions >= num_draft[b] are ignored.
         num_draft: int64 [B], each in 0..G (the request's gamma for this round).
-        draft_probs: [B, G, V], q: the distributions the draft actually sampled each token from.
+        draft_probs: [B, G, V], q: the distributions the draft actually sampled each token from;
+            None: each q is the point mass on its draft token (an n-gram drafter), so a draft
+            x is accepted with probability p(x) and the residual is p without x.
         target_probs: [B, G+1, V], p at each verified position; position num_draft[b] is the
             bonus position. Entries beyond num_draft[b] (drafts, q, p) are padding, may hold
             anything (even NaN) and are never read into the result.
@@ -64,9 +66,12 @@ def rejection_sample(
             f"num_draft {tuple(num_draft.shape)}, accept_u {tuple(accept_u.shape)}, "
             f"final_u {tuple(final_u.shape)} do not agree"
         )
-    if target_probs.shape[:2] != (batch, gamma + 1) or draft_probs.shape[:2] != (batch, gamma):
+    if target_probs.shape[:2] != (batch, gamma + 1) or (
+        draft_probs is not None and draft_probs.shape[:2] != (batch, gamma)
+    ):
+        q_shape = None if draft_probs is None else tuple(draft_probs.shape)
         raise ValueError(
-            f"rejection_sample: draft_probs {tuple(draft_probs.shape)} must be [B, G, V] and "
+            f"rejection_sample: draft_probs {q_shape} must be [B, G, V] and "
             f"target_probs {tuple(target_probs.shape)} [B, G+1, V] with B={batch}, G={gamma}"
         )
     device = draft_token_ids.device
@@ -77,7 +82,10 @@ def rejection_sample(
 
     # Accept test at every position at once; only the prefix before the first failure counts.
     p_draft = target_probs[:, :gamma].gather(2, safe_ids.unsqueeze(2)).squeeze(2)
-    q_draft = draft_probs.gather(2, safe_ids.unsqueeze(2)).squeeze(2)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, safe_ids.unsqueeze(2)).squeeze(2)
     accepted = valid & (accept_u * q_draft < p_draft)
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)  # [B]
     rejected = num_accepted < num_draft  # [B]
@@ -87,8 +95,11 @@ def rejection_sample(
     p_n = target_probs[rows, num_accepted]  # [B, V]
     final_dist = p_n
     if gamma > 0:
-        q_n = draft_probs[rows, num_accepted.clamp(max=gamma - 1)]
-        residual = residual_distribution(p_n, q_n)
+        at = num_accepted.clamp(max=gamma - 1)
+        if draft_probs is None:  # p minus the point mass: p with the rejected token removed
+            residual = p_n.scatter(1, safe_ids[rows, at].unsqueeze(1), 0.0)
+        else:
+            residual = residual_distribution(p_n, draft_probs[rows, at])
         # p == q (numerically) leaves no residual mass: a rejection then had probability ~0,
         # and p itself is the right fallback (no division anywhere, so no NaN).
         use_residual = rejected & (residual.sum(dim=-1) > 0)

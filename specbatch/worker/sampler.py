@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specbatch.errors import InvalidInputError
+from specbatch.sampling_params import SamplingParams
 
 
 @dataclass
@@ -69,6 +70,18 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0.0 for m in min_p),
             any_greedy=any(t == 0.0 for t in temperature),
+        )
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams], device: torch.device | str | None = None
+    ) -> SamplingTensors:
+        return cls.from_lists(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            device=device,
         )
 
     def repeat_interleave(

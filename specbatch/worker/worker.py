@@ -1,9 +1,9 @@
-"""One rank of the engine: the target, the draft, and the speculative round of THEORY.md.
+"""One rank of the engine: the target, the drafter, and the speculative round of THEORY.md.
 
 ``execute`` runs one engine step for the whole batch:
 1. draw each sampling request's uniforms from its own generator (count fixed by its gamma);
-2. the draft catches up on the tokens it has not seen, then proposes ``gamma_i`` tokens per
-   request, one batched pass per draft position (requests drop out as their gamma runs out);
+2. the drafter (proposer.py: a draft model, or n-gram lookup) proposes up to ``gamma_i``
+   tokens per request, with the distributions q they were drawn from (or point masses);
 3. the target scores every request's unprocessed tokens plus its drafts in ONE ragged forward;
 4. the rejection sampler accepts a prefix of each request's drafts and emits one more token.
 Rollback is not done here: the scheduler moves each model's progress counter back.
@@ -25,10 +25,13 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
+from specbatch.worker.draft_model_proposer import DraftModelProposer
 from specbatch.worker.model_runner import ModelRunner, build_inputs
+from specbatch.worker.ngram_proposer import NgramProposer
 from specbatch.worker.pass_profile import profile_passes
+from specbatch.worker.proposer import DraftRound, Proposal, Proposer
 from specbatch.worker.rejection_sampler import greedy_verify, rejection_sample
-from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
+from specbatch.worker.sampler import SamplingTensors, logits_to_probs
 
 
 @dataclass
@@ -37,14 +40,15 @@ class _RequestState:
     generator: torch.Generator
 
 
-def _sampling_tensors(params: list[SamplingParams], device: torch.device) -> SamplingTensors:
-    return SamplingTensors.from_lists(
-        [p.temperature for p in params],
-        [p.top_k for p in params],
-        [p.top_p for p in params],
-        [p.min_p for p in params],
-        device=device,
-    )
+def make_proposer(
+    config: EngineConfig, device: torch.device, draft_tp: TensorParallelGroup
+) -> Proposer | None:
+    """The drafter ``config`` asks for, or None when the engine does not speculate."""
+    if not config.speculative:
+        return None
+    if config.spec_method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, device)
+    return DraftModelProposer(config, device, draft_tp)
 
 
 class Worker:
@@ -61,11 +65,10 @@ class Worker:
         self.target = ModelRunner(
             config.target, self.device, tp, config.attention_backend, config.block_size
         )
-        self.draft: ModelRunner | None = None
-        if config.speculative and config.draft is not None:
-            self.draft = ModelRunner(
-                config.draft, self.device, draft_tp, config.attention_backend, config.block_size
-            )
+        self.proposer = make_proposer(config, self.device, draft_tp)
+        self.draft: ModelRunner | None = None  # the draft model's runner, if it is the drafter
+        if isinstance(self.proposer, DraftModelProposer):
+            self.draft = self.proposer.runner
         self._states: dict[str, _RequestState] = {}
         self.sync_phases = False  # wait for the device between a step's phases (profiling)
 
@@ -73,8 +76,8 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block costs on this rank, in the target's cache and the draft's together."""
         n = self.target.kv_bytes_per_block(self.config.block_size)
-        if self.draft is not None:
-            n += self.draft.kv_bytes_per_block(self.config.block_size)
+        if self.proposer is not None:
+            n += self.proposer.kv_bytes_per_block(self.config.block_size)
         return n
 
     def kv_memory_budget(self) -> int:
@@ -88,8 +91,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.target.allocate_kv_cache(num_blocks, self.config.block_size)
-        if self.draft is not None:
-            self.draft.allocate_kv_cache(num_blocks, self.config.block_size)
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks)
 
     @torch.inference_mode()
     def profile_passes(
@@ -107,46 +110,60 @@ class Worker:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         for rid in plan.finished_request_ids:
             self._states.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.finish_request(rid)
         for new in plan.new_requests:
             self._states[new.request_id] = _RequestState(
                 new.sampling_params, torch.Generator().manual_seed(new.seed)
             )
+            if self.proposer is not None:
+                self.proposer.add_request(new)
         reqs = plan.requests
         if not reqs:
             return StepResult()
         sampling = [r for r in reqs if r.sample]
-        gammas = [r.num_draft for r in sampling] if self.draft is not None else [0] * len(sampling)
+        gammas = [r.num_draft if self.proposer else 0 for r in sampling]
         g_max = max(gammas, default=0)
         params = [self._states[r.request_id].params for r in sampling]
         # an all-greedy step needs no distributions: argmaxes and the one-hot limit of the rule
         greedy = all(sp.greedy for sp in params)
         uniforms = self._draw_uniforms(sampling, gammas, g_max)
         t0 = time.perf_counter()
-        drafts, q = self._propose(
-            reqs, sampling, gammas, g_max, params, uniforms[:, :g_max], greedy
-        )
+        if self.proposer is None:
+            proposal = Proposal.empty(len(sampling), g_max, self.device)
+        else:
+            proposal = self.proposer.propose(
+                DraftRound(reqs, sampling, gammas, params, uniforms[:, :g_max], greedy)
+            )
         if self.sync_phases:
             self._sync()
         t1 = time.perf_counter()
-        p = self._verify(reqs, sampling, drafts, gammas, g_max, params, greedy)
+        p = self._verify(reqs, sampling, proposal, g_max, params, greedy)
         if self.sync_phases:
             self._sync()
         t2 = time.perf_counter()
         if not sampling:
             return StepResult(timings={"draft": t1 - t0, "target": t2 - t1, "sample": 0.0})
-        num_draft = torch.tensor(gammas, dtype=torch.int64, device=self.device)
+        counts = torch.tensor(proposal.counts, dtype=torch.int64, device=self.device)
         if greedy:
-            out = greedy_verify(drafts, num_draft, p)
+            out = greedy_verify(proposal.tokens, counts, p)
         else:
-            assert q is not None
             out = rejection_sample(
-                drafts, num_draft, q, p, uniforms[:, g_max : 2 * g_max], uniforms[:, 2 * g_max]
+                proposal.tokens,
+                counts,
+                proposal.probs,
+                p,
+                uniforms[:, g_max : 2 * g_max],
+                uniforms[:, 2 * g_max],
             )
         host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
+        emitted = [row[1 : row[0] + 2] for row in host]
+        if self.proposer is not None:
+            self.proposer.emitted(sampling, emitted)
         t3 = time.perf_counter()
         results = {
-            r.request_id: RequestStepResult(token_ids=row[1 : row[0] + 2], num_accepted=row[0])
-            for r, row in zip(sampling, host)
+            r.request_id: RequestStepResult(toks, row[0], n)
+            for r, row, toks, n in zip(sampling, host, emitted, proposal.counts)
         }
         return StepResult(results, {"draft": t1 - t0, "target": t2 - t1, "sample": t3 - t2})
 
@@ -169,90 +186,18 @@ class Worker:
             u[i, 2 * g_max] = draws[2 * g]
         return u.to(self.device)
 
-    def _propose(
-        self,
-        reqs: list[ScheduledRequest],
-        sampling: list[ScheduledRequest],
-        gammas: list[int],
-        g_max: int,
-        params: list[SamplingParams],
-        draft_u: torch.Tensor,
-        greedy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [B, G] and the distributions q [B, G, V] they were sampled from (None
-        when every request is greedy: the drafts are then the draft model's argmaxes)."""
-        vocab = self.config.target.vocab_size
-        drafts = torch.zeros((len(sampling), g_max), dtype=torch.int64, device=self.device)
-        q = None
-        if not greedy:
-            q = torch.zeros((len(sampling), g_max, vocab), dtype=torch.float32, device=self.device)
-        draft = self.draft
-        if draft is None:
-            return drafts, q
-        # Catch-up: every request's unseen tokens; logits at the last one of each proposer.
-        catch = [r for r in reqs if r.draft_token_ids]
-        if not catch:
-            return drafts, q
-        proposers = [i for i, g in enumerate(gammas) if g > 0]
-        ends: dict[str, int] = {}
-        ids: list[int] = []
-        for r in catch:
-            ids.extend(r.draft_token_ids)
-            ends[r.request_id] = len(ids) - 1
-        inputs = build_inputs(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            [len(r.draft_token_ids) for r in catch],
-            [r.draft_start for r in catch],
-            [r.block_table for r in catch],
-            self.config.block_size,
-            self.device,
-        )
-        rows = [ends[sampling[i].request_id] for i in proposers]
-        logits = draft.forward(inputs, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        active = proposers
-        for j in range(g_max):
-            idx = torch.tensor(active, dtype=torch.int64, device=self.device)
-            if q is None:
-                tokens = logits.argmax(dim=-1)
-            else:
-                probs = logits_to_probs(
-                    logits, _sampling_tensors([params[i] for i in active], self.device)
-                )
-                tokens = sample(probs, draft_u[idx, j])
-                q[idx, j] = probs
-            drafts[idx, j] = tokens
-            still = [i for i in active if gammas[i] > j + 1]
-            if not still:
-                break
-            keep = torch.tensor(
-                [k for k, i in enumerate(active) if gammas[i] > j + 1],
-                dtype=torch.int64,
-                device=self.device,
-            )
-            active = still
-            inputs = build_inputs(
-                tokens.index_select(0, keep),
-                [1] * len(active),
-                [sampling[i].target_start + len(sampling[i].target_token_ids) + j for i in active],
-                [sampling[i].block_table for i in active],
-                self.config.block_size,
-                self.device,
-            )
-            logits = draft.forward(inputs, torch.arange(len(active), device=self.device))
-        return drafts, q
-
     def _verify(
         self,
         reqs: list[ScheduledRequest],
         sampling: list[ScheduledRequest],
-        drafts: torch.Tensor,
-        gammas: list[int],
+        proposal: Proposal,
         g_max: int,
         params: list[SamplingParams],
         greedy: bool,
     ) -> torch.Tensor:
         """One ragged target pass; returns p [B_sampling, G+1, V] at the verified positions,
         or (``greedy``) the target's argmax there, [B_sampling, G+1]."""
+        gammas = proposal.counts
         gamma_of = {r.request_id: g for r, g in zip(sampling, gammas)}
         ids: list[int] = []
         q_lens: list[int] = []
@@ -282,7 +227,7 @@ class Worker:
         if draft_rows:
             dst = torch.tensor(draft_rows, dtype=torch.int64, device=self.device)
             src = torch.tensor(draft_src, dtype=torch.int64, device=self.device)
-            input_ids[dst] = drafts.reshape(-1)[src]
+            input_ids[dst] = proposal.tokens.reshape(-1)[src]
         inputs = build_inputs(
             input_ids,
             q_lens,
@@ -298,7 +243,8 @@ class Worker:
         if greedy:
             rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
             return logits.argmax(dim=-1).index_select(0, rows).view(len(sampling), g_max + 1)
-        st = _sampling_tensors(params, self.device).repeat_interleave([g + 1 for g in gammas])
+        st = SamplingTensors.from_params(params, self.device)
+        st = st.repeat_interleave([g + 1 for g in gammas])
         probs = logits_to_probs(logits, st)
         rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
         return probs.index_select(0, rows).view(len(sampling), g_max + 1, -1)

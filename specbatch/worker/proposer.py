@@ -1,0 +1,64 @@
+"""What the speculative round asks of a drafter (THEORY.md, step 1): given the step's requests
+and how many tokens each may draft, propose tokens and, when it has one, the distribution q
+each was drawn from. The worker's round is the same for every drafter; the rejection sampler
+needs only the tokens, q (or "point mass") and the target's p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.output import NewRequestData, ScheduledRequest
+
+
+@dataclass
+class DraftRound:
+    """One step, as a drafter sees it."""
+
+    requests: list[ScheduledRequest]  # every request of the step, prompt chunks included
+    sampling: list[ScheduledRequest]  # the requests that emit tokens this step (result order)
+    gammas: list[int]  # how many tokens each of ``sampling`` may draft (0 allowed)
+    params: list[SamplingParams]  # their sampling parameters
+    uniforms: torch.Tensor  # [len(sampling), max(gammas)]: one draw per draft position
+    greedy: bool  # every request of ``sampling`` is greedy
+
+
+@dataclass
+class Proposal:
+    """Request b's drafts are ``tokens[b, :counts[b]]`` (counts[b] <= its gamma)."""
+
+    tokens: torch.Tensor  # int64 [B, G], G = max(gammas); padding 0
+    counts: list[int]
+    probs: torch.Tensor | None  # q [B, G, V] each draft was sampled from; None: point masses
+
+    @staticmethod
+    def empty(batch: int, width: int, device: torch.device) -> Proposal:
+        tokens = torch.zeros((batch, width), dtype=torch.int64, device=device)
+        return Proposal(tokens, [0] * batch, None)
+
+
+class Proposer(Protocol):
+    """A drafter on one rank. Every method is called on every rank, with the same arguments."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block costs the drafter (0: it keeps no KV cache)."""
+        ...
+
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+
+    def add_request(self, new: NewRequestData) -> None: ...
+
+    def finish_request(self, request_id: str) -> None: ...
+
+    def propose(self, step: DraftRound) -> Proposal:
+        """Draft tokens for ``step.sampling``. Called every step (a drafter with a KV cache
+        catches up on prompt chunks even when nothing is drafted)."""
+        ...
+
+    def emitted(self, sampling: list[ScheduledRequest], tokens: list[list[int]]) -> None:
+        """The tokens each request of the step emitted (after verification)."""
+        ...
