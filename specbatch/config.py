@@ -159,6 +159,7 @@ class EngineConfig:
     # num_speculative_tokens (then the max draft length)
     adaptive_speculation: bool = False
     spec_method: str = "draft_model"  # who proposes: "draft_model" or "ngram"
+    batch_invariant: bool = False
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
 
@@ -194,6 +195,7 @@ class EngineArgs:
     ray_address: str | None = None
     attention_backend: str = "auto"
     speculative_config: dict[str, Any] | str | None = None
+    batch_invariant: bool = False
 
     def _speculative_args(self) -> SpeculativeArgs:
         """``speculative_config`` checked, or the shorthand flags as one."""
@@ -297,6 +299,8 @@ class EngineArgs:
             )
         if self.kv_cache_memory is None and self.num_kv_blocks is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
+        if self.batch_invariant:
+            check_batch_invariant(device, target, draft, adaptive, self.attention_backend)
         return EngineConfig(
             target=target,
             draft=draft,
@@ -319,6 +323,7 @@ class EngineArgs:
             spec_method=spec.method,
             prompt_lookup_max=spec.prompt_lookup_max,
             prompt_lookup_min=spec.prompt_lookup_min,
+            batch_invariant=bool(self.batch_invariant),
         )
 
     @staticmethod
@@ -338,6 +343,41 @@ class EngineArgs:
             raise InvalidInputError(msg) from None
         tok = tokenizer or (path if _has_tokenizer(path) else None)
         return ModelConfig(str(path), hf_config, resolve_dtype(dtype, hf_config, device), tok)
+
+
+def check_batch_invariant(
+    device: str, target: ModelConfig, draft: ModelConfig | None, adaptive: bool, backend: str
+) -> None:
+    """batch_invariant needs every op of a step to sum in an order that does not depend on the
+    batch: specbatch's CPU kernels (matrix multiplies, attention, norms), and draft lengths that
+    do not depend on the batch."""
+    if device != "cpu":
+        raise InvalidInputError(
+            f"batch_invariant runs on a CPU (specbatch's kernels), not on device '{device}'"
+        )
+    if adaptive:
+        raise InvalidInputError(
+            "batch_invariant needs a fixed num_speculative_tokens: 'auto' chooses draft lengths "
+            "from the batch"
+        )
+    if backend not in ("auto", "cpu"):
+        raise InvalidInputError(
+            f"batch_invariant needs attention_backend 'cpu' (or 'auto'), got '{backend}'"
+        )
+    from specbatch.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise InvalidInputError(
+            "batch_invariant needs specbatch's CPU kernels, which are not available here "
+            "(see the warning above; SPECBATCH_CPU_KERNELS=0 turns them off)"
+        )
+    for model, name in ((target, "model"), (draft, "draft_model")):
+        if model is not None and not kernels.supports_linear(model.dtype):
+            raise InvalidInputError(
+                f"batch_invariant: {name}'s dtype {model.dtype} has no kernel matrix multiply on "
+                "this CPU (float32 always; bfloat16 needs avx512_bf16)"
+            )
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:

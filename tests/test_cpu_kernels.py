@@ -215,3 +215,33 @@ def test_model_with_kernels_matches_pure_torch(
     tol = 0.1 if dtype == torch.bfloat16 else 1e-4
     for o, r in zip(got, ref, strict=True):
         torch.testing.assert_close(o, r, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(dtype: torch.dtype) -> None:
+    """A sequence's outputs are bit-identical alone and inside the ragged batch, and when its
+    new tokens come in two chunks instead of one."""
+    from specbatch.model.layers.attention import AttentionMetadata
+
+    q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(
+        *RAGGED, 16, 6, 2, 64, seed=9, dtype=dtype
+    )
+    backend = CpuAttentionBackend(kernels())
+    kc, vc = to_cpu_layout(k_cache, v_cache)
+    whole = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    for b in (1, 3, 6):  # a decode, a chunk on cached context, a whole prompt
+        rows = slice(int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]))
+        q_len, seq_len = RAGGED[0][b], RAGGED[1][b]
+        alone = AttentionMetadata.from_lists([q_len], [seq_len], [tables[b]], 16)
+        got = backend.forward(q[rows], k[rows], v[rows], kc, vc, alone, 0.125)
+        assert torch.equal(got, whole[rows]), f"sequence {b} differs alone"
+        if q_len > 1:
+            first = q_len // 3
+            parts = []
+            for lo, hi in ((0, first), (first, q_len)):
+                part = AttentionMetadata.from_lists(
+                    [hi - lo], [seq_len - q_len + hi], [tables[b]], 16
+                )
+                sl = slice(rows.start + lo, rows.start + hi)
+                parts.append(backend.forward(q[sl], k[sl], v[sl], kc, vc, part, 0.125))
+            assert torch.equal(torch.cat(parts), whole[rows]), f"sequence {b} differs chunked"

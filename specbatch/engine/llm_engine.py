@@ -56,6 +56,7 @@ class LLMEngine:
             policy=policy,
             speculative=config.speculative,
             drafter_kv=config.draft is not None,
+            batch_invariant=config.batch_invariant,
         )
         self.metrics = EngineMetrics()
         self._ids = itertools.count()

@@ -139,6 +139,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         metavar="ADDR",
     ),
     Flag(
+        "batch_invariant",
+        bool,
+        "every op gives a request's rows the same bits whatever else is in the batch, and draft "
+        "lengths never depend on the batch: a seeded request returns the same tokens alone or "
+        "in any batch, with or without speculation (CPU kernels only; not with auto)",
+    ),
+    Flag(
         "attention_backend",
         str,
         "auto, torch, flash-attn (CUDA, block size a multiple of 256) or xformers (CUDA, "
@@ -190,6 +197,9 @@ def _sampling_default(name: str) -> Any:
 
 
 def _add(parser: argparse._ActionsContainer, flag: Flag, default: Any, required: bool) -> None:
+    if flag.type is bool:  # a switch: present or not
+        parser.add_argument(flag.name, dest=flag.field, action="store_true", help=flag.help)
+        return
     help_text = flag.help
     if default is not None and not required:
         help_text += f" (default: {default})"

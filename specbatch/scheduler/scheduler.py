@@ -43,15 +43,24 @@ class Scheduler:
         policy: SpeculationPolicy | None = None,
         speculative: bool = False,
         drafter_kv: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         """``drafter_kv``: the drafter keeps a KV cache that must see every token (a draft
-        model), so each step sends it the tokens it has not seen; an n-gram drafter has none."""
+        model), so each step sends it the tokens it has not seen; an n-gram drafter has none.
+
+        ``batch_invariant``: a decoding request's draft length never depends on the rest of
+        the batch. Its drafts (the policy's fixed length, cut only by its own max_tokens and
+        max_model_len) are part of the slots and the token budget it needs to run a step; when
+        they do not fit, it waits for a later step (budget) or others are preempted (blocks),
+        as for any slot. So a seeded request draws the same numbers in the same rounds
+        whatever it is batched with."""
         self.limits = limits
         self.kv = kv_cache
         self.stop_checker = stop_checker
         self.policy: SpeculationPolicy = policy or FixedDraftLength(0)
         self.speculative = speculative
         self.drafter_kv = speculative and drafter_kv
+        self.batch_invariant = batch_invariant
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -143,17 +152,38 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed + n):
+            n = min(self._to_compute(req), budget)
+            need = n  # slots and budget this step takes
+            if self.batch_invariant and self.speculative and req.num_tokens - req.num_computed == 1:
+                need = 1 + self._own_draft_length(req)
+                if need > budget:
+                    break  # it and the requests after it wait for the next step
+            while not self.kv.allocate(req.request_id, req.num_computed + need):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is req:
                     return preempted
             chosen.append((req, n))
-            budget -= n
+            budget -= need
             i += 1
         return preempted
+
+    @staticmethod
+    def _to_compute(req: Request) -> int:
+        """Tokens the target has yet to process this pass. A request resumed after preemption
+        recomputes all but its last token, which it then decodes as before, drafts and all:
+        its rounds (and the random numbers each draws) are those it would have had anyway."""
+        left = req.num_tokens - req.num_computed
+        if req.output_token_ids and left > 1:
+            return left - 1
+        return left
+
+    def _own_draft_length(self, req: Request) -> int:
+        """The policy's draft length cut by the request's own limits only."""
+        room_len = self.limits.max_model_len - req.num_tokens
+        room_out = req.max_output_tokens - len(req.output_token_ids) - 1
+        return max(0, min(self.policy.max_draft_length, room_len, room_out))
 
     @staticmethod
     def _prompt_chunk(req: Request, n: int) -> bool:
@@ -180,9 +210,7 @@ class Scheduler:
         )
         gammas: dict[str, int] = {}
         for req, want in zip(decoding, self.policy.draft_lengths(decoding, shape)):
-            room_len = self.limits.max_model_len - req.num_tokens
-            room_out = req.max_output_tokens - len(req.output_token_ids) - 1
-            gamma = max(0, min(want, room_len, room_out, budget))
+            gamma = max(0, min(want, self._own_draft_length(req), budget))
             if gamma and not self.kv.allocate(req.request_id, req.num_computed + 1 + gamma):
                 fits = self.kv.max_slots_within_free(req.request_id) - req.num_computed - 1
                 gamma = max(0, min(gamma, fits))
@@ -197,7 +225,7 @@ class Scheduler:
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(self._to_compute(req), budget)
             if not self.kv.allocate(req.request_id, req.num_computed + n):
                 break
             self.waiting.popleft()

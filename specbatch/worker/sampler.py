@@ -149,10 +149,11 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.any_top_k or st.any_top_p:
         scaled = _apply_top_k_top_p(scaled, st)
     probs = torch.softmax(scaled, dim=-1)
-    if st.any_min_p:
+    if st.any_min_p:  # rows without min-p are left as they are, bit for bit
         threshold = st.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        cut = probs.masked_fill(probs < threshold, 0.0)
+        cut = cut / cut.sum(dim=-1, keepdim=True)
+        probs = torch.where((st.min_p > 0.0).unsqueeze(1), cut, probs)
     if st.any_greedy:
         top = torch.argmax(logits, dim=-1, keepdim=True)
         one_hot = torch.zeros_like(probs).scatter_(1, top, 1.0)

@@ -30,26 +30,30 @@ typedef struct {
     char* out;
 } attn_args;
 
-/* scores s[v][lane] = q_v . key(c + lane) for NV query vectors and 16 keys of one block; P
- * partial sums per vector keep enough independent FMA chains in flight. */
+/* scores s[v][lane] = q_v . key(c + lane) for NV query vectors and 16 keys of one block,
+ * four vectors at a time with four partial sums each (enough independent FMA chains in
+ * flight). Every vector's sums run in the same order whatever NV is: a score does not depend
+ * on which other query vectors share its tile. */
 SB_INLINE void scores(const int NV, const float* qv, const char* kb, int c, int bs, int d,
                       __mmask16 km, __m512* s, const int bf16) {
     const int esz = bf16 ? 2 : 4;
-    const int P = NV <= 2 ? 4 : NV <= 4 ? 2 : 1;
-    __m512 part[QT][4];
-    for (int v = 0; v < NV; v++)
-        for (int u = 0; u < P; u++) part[v][u] = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += P) {
-        for (int u = 0; u < P; u++) {
-            __m512 kd = load16(kb + ((long)(i + u) * bs + c) * esz, km, bf16);
-            for (int v = 0; v < NV; v++)
-                part[v][u] = _mm512_fmadd_ps(_mm512_set1_ps(qv[v * DMAX + i + u]), kd, part[v][u]);
+    for (int v0 = 0; v0 < NV; v0 += 4) {
+        __m512 part[4][4];
+        for (int v = 0; v < 4; v++)
+            for (int u = 0; u < 4; u++) part[v][u] = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 4) {
+            for (int u = 0; u < 4; u++) {
+                __m512 kd = load16(kb + ((long)(i + u) * bs + c) * esz, km, bf16);
+                for (int v = 0; v < 4; v++)
+                    if (v0 + v < NV)
+                        part[v][u] = _mm512_fmadd_ps(
+                            _mm512_set1_ps(qv[(v0 + v) * DMAX + i + u]), kd, part[v][u]);
+            }
         }
-    }
-    for (int v = 0; v < NV; v++) {
-        __m512 t = part[v][0];
-        for (int u = 1; u < P; u++) t = _mm512_add_ps(t, part[v][u]);
-        s[v] = t;
+        for (int v = 0; v < 4; v++)
+            if (v0 + v < NV)
+                s[v0 + v] = _mm512_add_ps(_mm512_add_ps(part[v][0], part[v][1]),
+                                          _mm512_add_ps(part[v][2], part[v][3]));
     }
 }
 
