@@ -252,7 +252,11 @@ class EngineArgs:
         ngram = spec.method == "ngram"
         # The built-in pair speculates by default; any other target only with a draft given.
         use_builtin_draft = not ngram and self.model is None and spec.model is None and k != 0
-        if spec.model is not None or use_builtin_draft:
+        eagle = spec.method in ("eagle", "eagle3")
+        if eagle:
+            assert spec.model is not None
+            draft = eagle_head_config(spec.model, spec.method, target, device, self.dtype)
+        elif spec.model is not None or use_builtin_draft:
             draft_path = spec.model or default_model_path("draft")
             draft = self._model_config(draft_path, "draft_model", None, device, self.dtype)
             check_same_vocabulary(target, draft)
@@ -286,7 +290,11 @@ class EngineArgs:
             raise InvalidInputError(
                 f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}"
             )
-        if draft is not None:
+        if eagle and draft_tp != 1:
+            raise InvalidInputError(
+                "draft_tensor_parallel_size: an EAGLE head runs replicated on every rank (1)"
+            )
+        if draft is not None and not eagle:
             check_tensor_parallel(draft, draft_tp, "draft_model")
         backend = self.distributed_executor_backend or ("ray" if tp > 1 else "uni")
         if backend not in ("uni", "ray"):
@@ -320,7 +328,7 @@ class EngineArgs:
             ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
             attention_backend=self.attention_backend,
             adaptive_speculation=adaptive and k > 0,
-            spec_method=spec.method,
+            spec_method="eagle" if eagle else spec.method,
             prompt_lookup_max=spec.prompt_lookup_max,
             prompt_lookup_min=spec.prompt_lookup_min,
             batch_invariant=bool(self.batch_invariant),
@@ -343,6 +351,31 @@ class EngineArgs:
             raise InvalidInputError(msg) from None
         tok = tokenizer or (path if _has_tokenizer(path) else None)
         return ModelConfig(str(path), hf_config, resolve_dtype(dtype, hf_config, device), tok)
+
+
+def eagle_head_config(
+    path: str, method: str, target: ModelConfig, device: str, dtype: str
+) -> ModelConfig:
+    """An EAGLE head's checkpoint, checked against its method and its target."""
+    from specbatch.model.eagle import detect_layout
+    from specbatch.model.loader import load_hf_config
+
+    try:
+        hf_config = load_hf_config(path)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"speculative_config.{e!s}") from None
+    layout = detect_layout(path)
+    if (method == "eagle3") != (layout == "eagle3"):
+        raise InvalidInputError(
+            f"speculative_config.method: '{path}' holds an {layout.upper()} head; use method "
+            f"'{layout}'"
+        )
+    if int(getattr(hf_config, "vocab_size", target.vocab_size)) != target.vocab_size:
+        raise InvalidInputError(
+            f"speculative_config.model: vocab_size {hf_config.vocab_size} differs from the "
+            f"target's {target.vocab_size}"
+        )
+    return ModelConfig(str(path), hf_config, resolve_dtype(dtype, target.hf_config, device), None)
 
 
 def check_batch_invariant(

@@ -2,6 +2,7 @@
 
     {"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "eagle", "model": HEAD_DIR, "num_speculative_tokens": 3}   (or "eagle3")
 
 ``num_speculative_tokens`` may be ``"auto"`` (chosen per request and step, up to
 ``max_draft_length``). ``method`` may be left out when ``model`` is given. The engine's older
@@ -17,7 +18,7 @@ from typing import Any
 
 from specbatch.errors import InvalidInputError
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "eagle", "eagle3")
 KEYS = (
     "method",
     "model",
@@ -75,8 +76,8 @@ def parse_speculative_config(value: dict[str, Any] | str) -> SpeculativeArgs:
         raise InvalidInputError(
             f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}"
         )
-    if method == "draft_model" and model is None:
-        raise InvalidInputError("speculative_config.model: the draft_model method needs a model")
+    if method in ("draft_model", "eagle", "eagle3") and model is None:
+        raise InvalidInputError(f"speculative_config.model: the {method} method needs a model")
     if method == "ngram" and model is not None:
         raise InvalidInputError("speculative_config.model: the ngram method takes no model")
     k = value.get("num_speculative_tokens")

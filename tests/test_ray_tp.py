@@ -102,7 +102,19 @@ def engines(pair, ray_cluster) -> Iterator[Any]:
 
     def get(name: str, tp: int) -> LLM:
         if (name, tp) not in built:
-            if name == "ngram":
+            if name == "eagle":
+                from specbatch.testing.eagle_heads import make_eagle_head
+
+                head = make_eagle_head(pair[0].parent / "eagle_head", pair[0], "eagle", seed=5,
+                                       with_embedding=True)  # fmt: skip
+                built[name, tp] = LLM(
+                    str(pair[0]),
+                    speculative_config={"method": "eagle", "model": str(head),
+                                        "num_speculative_tokens": GAMMA},
+                    seed=SEED, tensor_parallel_size=tp, max_num_seqs=256, num_kv_blocks=512,
+                    block_size=4, max_model_len=64,
+                )  # fmt: skip
+            elif name == "ngram":
                 built[name, tp] = LLM(
                     str(pair[0]),
                     speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA,
@@ -167,14 +179,14 @@ def _process_alive(pid: int) -> bool:
 
 
 # ---- outputs equal TP=1 --------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["plain", "spec", "ngram"])
+@pytest.mark.parametrize("name", ["plain", "spec", "ngram", "eagle"])
 def test_greedy_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), GREEDY) == token_ids(engines(name, 1), GREEDY)
-    if name == "ngram":
+    if name in ("ngram", "eagle"):
         assert engines(name, 2).engine.metrics.spec.proposed > 0
 
 
-@pytest.mark.parametrize("name", ["plain", "spec", "ngram"])
+@pytest.mark.parametrize("name", ["plain", "spec", "ngram", "eagle"])
 def test_seeded_sampling_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), SEEDED) == token_ids(engines(name, 1), SEEDED)
 

@@ -55,7 +55,7 @@ class LLMEngine:
             self.stop_checker,
             policy=policy,
             speculative=config.speculative,
-            drafter_kv=config.draft is not None,
+            draft_input={"ngram": "none", "eagle": "features"}.get(config.spec_method, "tokens"),
             batch_invariant=config.batch_invariant,
         )
         self.metrics = EngineMetrics()

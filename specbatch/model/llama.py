@@ -104,12 +104,15 @@ class LlamaAttention(nn.Module):
         tp: TensorParallelGroup,
         dtype: torch.dtype,
         device: torch.device | str,
+        input_size: int | None = None,
     ) -> None:
+        """``input_size``: the width of the layer's input when it is not ``hidden_size`` (an
+        EAGLE-3 head attends over token embedding and feature side by side)."""
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         num_heads = int(hf_config.num_attention_heads)
         self.qkv_proj = QKVParallelLinear(
-            int(hf_config.hidden_size),
+            input_size or int(hf_config.hidden_size),
             self.head_dim,
             num_heads,
             num_kv_heads_of(hf_config),
@@ -245,12 +248,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        streams: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states, and the residual stream entering each layer of
+        ``streams`` (``len(layers)``: the stream after the last one), for an EAGLE-3 head."""
         h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        kept: list[torch.Tensor] = [h.clone()] if 0 in streams else []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(h, residual, positions, kv_cache, meta)
-        return self.norm.add_and_norm(h, residual)[0]
+            if i + 1 in streams:
+                kept.append(h + residual)
+        return self.norm.add_and_norm(h, residual)[0], kept
 
 
 class LlamaForCausalLM(nn.Module):
@@ -323,10 +332,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions ``[T]`` int64 -> final-normed hidden states ``[T, hidden]``.
 
-        Writes the new tokens' K/V into ``kv_caches`` (one ``(k, v)`` pair per layer, each
-        ``[num_blocks, block_size, num_kv_heads_local, head_dim]`` in the model dtype).
+        Writes the new tokens' K/V into ``kv_caches`` (one ``(k, v)`` pair per layer, in the
+        attention backend's layout, in the model dtype).
         """
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

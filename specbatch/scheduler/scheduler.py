@@ -42,11 +42,14 @@ class Scheduler:
         stop_checker: StopChecker,
         policy: SpeculationPolicy | None = None,
         speculative: bool = False,
-        drafter_kv: bool = True,
+        draft_input: str = "tokens",
         batch_invariant: bool = False,
     ) -> None:
-        """``drafter_kv``: the drafter keeps a KV cache that must see every token (a draft
-        model), so each step sends it the tokens it has not seen; an n-gram drafter has none.
+        """``draft_input``: what each step sends the drafter of its own KV cache. "tokens" (a
+        draft model): the tokens it has not seen, position by position as the target sees
+        them. "features" (an EAGLE head, whose position t reads token t + 1 and the target's
+        feature of position t): the positions the target processed since the head last caught
+        up, each with the token after it. "none" (n-gram lookup): nothing.
 
         ``batch_invariant``: a decoding request's draft length never depends on the rest of
         the batch. Its drafts (the policy's fixed length, cut only by its own max_tokens and
@@ -59,7 +62,9 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.policy: SpeculationPolicy = policy or FixedDraftLength(0)
         self.speculative = speculative
-        self.drafter_kv = speculative and drafter_kv
+        if draft_input not in ("tokens", "features", "none"):
+            raise ValueError(f"draft_input must be tokens, features or none, got {draft_input!r}")
+        self.draft_input = draft_input if speculative else "none"
         self.batch_invariant = batch_invariant
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -125,13 +130,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            # The draft catches up on its unseen tokens in the steps where it proposes, and on
-            # prompt chunks unless the policy is lazy; a decoding request that drafts nothing
-            # this step lets it lag, so a gamma of 0 costs no draft work at all.
-            catch_up = self.drafter_kv and (
-                rid in gammas or (self._prompt_chunk(req, n) and not self._lazy_draft)
-            )
-            draft_tokens = req.token_slice(req.num_draft_computed, end) if catch_up else []
+            draft_tokens = self._draft_tokens(req, n, end, rid in gammas)
             out.requests.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -145,6 +144,19 @@ class Scheduler:
                 )
             )
         return out
+
+    def _draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
+        """What the drafter's KV cache catches up on this step (see ``draft_input``)."""
+        if self.draft_input == "features":
+            return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
+        # A draft model catches up on its unseen tokens in the steps where it proposes, and
+        # on prompt chunks unless the policy is lazy; a decoding request that drafts nothing
+        # this step lets it lag, so a gamma of 0 costs no draft work at all.
+        if self.draft_input == "tokens" and (
+            drafts or (self._prompt_chunk(req, n) and not self._lazy_draft)
+        ):
+            return req.token_slice(req.num_draft_computed, end)
+        return []
 
     def _schedule_running(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         """Slots for every running request's unprocessed tokens; returns how many were preempted."""
@@ -255,6 +267,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             base = sr.target_start + len(sr.target_token_ids)
             drafted_into = sr.draft_start + len(sr.draft_token_ids) + max(sr.num_draft - 1, 0)
+            if self.draft_input == "features":  # the head kept only the target's positions
+                drafted_into = sr.draft_start + len(sr.draft_token_ids)
             if not sr.sample:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)

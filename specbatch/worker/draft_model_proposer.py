@@ -8,13 +8,15 @@ import torch
 
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import TensorParallelGroup
-from specbatch.scheduler.output import NewRequestData, ScheduledRequest
+from specbatch.scheduler.output import NewRequestData
 from specbatch.worker.model_runner import ModelRunner, build_inputs
-from specbatch.worker.proposer import DraftRound, Proposal
+from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
 
 class DraftModelProposer:
+    feature_layers = None
+
     def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup) -> None:
         assert config.draft is not None
         self.config = config
@@ -35,7 +37,13 @@ class DraftModelProposer:
     def finish_request(self, request_id: str) -> None:
         pass
 
-    def emitted(self, sampling: list[ScheduledRequest], tokens: list[list[int]]) -> None:
+    def observe(
+        self,
+        step: DraftRound,
+        emitted: list[list[int]],
+        accepted: list[int],
+        target: TargetPass | None,
+    ) -> None:
         pass
 
     def propose(self, step: DraftRound) -> Proposal:

@@ -100,7 +100,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """Run the model; return float32 logits of the rows ``logits_rows`` (of the T tokens)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.forward_features(inputs, logits_rows, None)[0]
+
+    @torch.inference_mode()
+    def forward_features(
+        self,
+        inputs: ForwardInputs,
+        logits_rows: torch.Tensor | None,
+        streams: tuple[int, ...] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of ``logits_rows`` and the features of all T rows a drafter reads: None
+        (``streams`` None), the final hidden states (``()``), or the residual streams entering
+        the layers ``streams``, concatenated."""
+        hidden, kept = self.model.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, streams or ()
+        )
+        features = None
+        if streams is not None:
+            features = torch.cat(kept, dim=-1) if streams else hidden
         if logits_rows is None:
-            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, logits_rows))
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), features
+        return self.model.compute_logits(hidden.index_select(0, logits_rows)), features

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from specbatch.scheduler.output import NewRequestData, ScheduledRequest
-from specbatch.worker.proposer import DraftRound, Proposal
+from specbatch.scheduler.output import NewRequestData
+from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
 
 
 class NgramIndex:
@@ -56,6 +56,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    feature_layers = None
+
     def __init__(self, n_min: int, n_max: int, device: torch.device) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.device = device
@@ -88,8 +90,14 @@ class NgramProposer:
             out.tokens = torch.tensor(padded, dtype=torch.int64, device=self.device)
         return out
 
-    def emitted(self, sampling: list[ScheduledRequest], tokens: list[list[int]]) -> None:
-        for r, toks in zip(sampling, tokens, strict=True):
+    def observe(
+        self,
+        step: DraftRound,
+        emitted: list[list[int]],
+        accepted: list[int],
+        target: TargetPass | None,
+    ) -> None:
+        for r, toks in zip(step.sampling, emitted, strict=True):
             index = self.index[r.request_id]
             # the step's target tokens end at the request's last known token; what it emitted
             # follows them

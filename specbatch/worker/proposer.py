@@ -41,8 +41,20 @@ class Proposal:
         return Proposal(tokens, [0] * batch, None)
 
 
+@dataclass
+class TargetPass:
+    """What the step's target pass computed that a drafter may read."""
+
+    features: torch.Tensor  # [T, F]: every row of the pass (prompt chunks' and drafts' too)
+    row_starts: list[int]  # the first row of each request of the step, in step order
+
+
 class Proposer(Protocol):
     """A drafter on one rank. Every method is called on every rank, with the same arguments."""
+
+    # The target features the drafter reads after each pass: None (none), () (the final
+    # hidden states), or the residual streams entering these target layers.
+    feature_layers: tuple[int, ...] | None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block costs the drafter (0: it keeps no KV cache)."""
@@ -59,6 +71,13 @@ class Proposer(Protocol):
         catches up on prompt chunks even when nothing is drafted)."""
         ...
 
-    def emitted(self, sampling: list[ScheduledRequest], tokens: list[list[int]]) -> None:
-        """The tokens each request of the step emitted (after verification)."""
+    def observe(
+        self,
+        step: DraftRound,
+        emitted: list[list[int]],
+        accepted: list[int],
+        target: TargetPass | None,
+    ) -> None:
+        """After verification: the tokens each request of ``step.sampling`` emitted and how
+        many of its drafts were accepted, and the target's features (``feature_layers``)."""
         ...

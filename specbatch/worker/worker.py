@@ -26,10 +26,11 @@ from specbatch.scheduler.output import (
     StepResult,
 )
 from specbatch.worker.draft_model_proposer import DraftModelProposer
+from specbatch.worker.eagle_proposer import EagleProposer
 from specbatch.worker.model_runner import ModelRunner, build_inputs
 from specbatch.worker.ngram_proposer import NgramProposer
 from specbatch.worker.pass_profile import profile_passes
-from specbatch.worker.proposer import DraftRound, Proposal, Proposer
+from specbatch.worker.proposer import DraftRound, Proposal, Proposer, TargetPass
 from specbatch.worker.rejection_sampler import greedy_verify, rejection_sample
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
 
@@ -41,13 +42,15 @@ class _RequestState:
 
 
 def make_proposer(
-    config: EngineConfig, device: torch.device, draft_tp: TensorParallelGroup
+    config: EngineConfig, device: torch.device, draft_tp: TensorParallelGroup, target: ModelRunner
 ) -> Proposer | None:
     """The drafter ``config`` asks for, or None when the engine does not speculate."""
     if not config.speculative:
         return None
     if config.spec_method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, device)
+    if config.spec_method == "eagle":
+        return EagleProposer(config, device, target)
     return DraftModelProposer(config, device, draft_tp)
 
 
@@ -65,7 +68,7 @@ class Worker:
         self.target = ModelRunner(
             config.target, self.device, tp, config.attention_backend, config.block_size
         )
-        self.proposer = make_proposer(config, self.device, draft_tp)
+        self.proposer = make_proposer(config, self.device, draft_tp, self.target)
         self.draft: ModelRunner | None = None  # the draft model's runner, if it is the drafter
         if isinstance(self.proposer, DraftModelProposer):
             self.draft = self.proposer.runner
@@ -129,20 +132,21 @@ class Worker:
         greedy = all(sp.greedy for sp in params)
         uniforms = self._draw_uniforms(sampling, gammas, g_max)
         t0 = time.perf_counter()
+        step = DraftRound(reqs, sampling, gammas, params, uniforms[:, :g_max], greedy)
         if self.proposer is None:
             proposal = Proposal.empty(len(sampling), g_max, self.device)
         else:
-            proposal = self.proposer.propose(
-                DraftRound(reqs, sampling, gammas, params, uniforms[:, :g_max], greedy)
-            )
+            proposal = self.proposer.propose(step)
         if self.sync_phases:
             self._sync()
         t1 = time.perf_counter()
-        p = self._verify(reqs, sampling, proposal, g_max, params, greedy)
+        p, target_pass = self._verify(step, proposal, g_max)
         if self.sync_phases:
             self._sync()
         t2 = time.perf_counter()
         if not sampling:
+            if self.proposer is not None:
+                self.proposer.observe(step, [], [], target_pass)
             return StepResult(timings={"draft": t1 - t0, "target": t2 - t1, "sample": 0.0})
         counts = torch.tensor(proposal.counts, dtype=torch.int64, device=self.device)
         if greedy:
@@ -159,7 +163,7 @@ class Worker:
         host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
         emitted = [row[1 : row[0] + 2] for row in host]
         if self.proposer is not None:
-            self.proposer.emitted(sampling, emitted)
+            self.proposer.observe(step, emitted, [row[0] for row in host], target_pass)
         t3 = time.perf_counter()
         results = {
             r.request_id: RequestStepResult(toks, row[0], n)
@@ -187,16 +191,12 @@ class Worker:
         return u.to(self.device)
 
     def _verify(
-        self,
-        reqs: list[ScheduledRequest],
-        sampling: list[ScheduledRequest],
-        proposal: Proposal,
-        g_max: int,
-        params: list[SamplingParams],
-        greedy: bool,
-    ) -> torch.Tensor:
+        self, step: DraftRound, proposal: Proposal, g_max: int
+    ) -> tuple[torch.Tensor, TargetPass | None]:
         """One ragged target pass; returns p [B_sampling, G+1, V] at the verified positions,
-        or (``greedy``) the target's argmax there, [B_sampling, G+1]."""
+        or (all greedy) the target's argmax there, [B_sampling, G+1]; and the features the
+        drafter reads, if it reads any."""
+        reqs, sampling, params, greedy = step.requests, step.sampling, step.params, step.greedy
         gammas = proposal.counts
         gamma_of = {r.request_id: g for r, g in zip(sampling, gammas)}
         ids: list[int] = []
@@ -237,14 +237,21 @@ class Worker:
             self.device,
         )
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        logits = self.target.forward(inputs, rows if logit_rows else None)
+        streams = self.proposer.feature_layers if self.proposer is not None else None
+        logits, features = self.target.forward_features(
+            inputs, rows if logit_rows else None, streams
+        )
+        target_pass = None
+        if features is not None:
+            target_pass = TargetPass(features, inputs.meta.query_start_loc.tolist()[:-1])
         if not sampling:
-            return logits.new_empty((0, g_max + 1, logits.shape[-1]))
+            return logits.new_empty((0, g_max + 1, logits.shape[-1])), target_pass
         if greedy:
             rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
-            return logits.argmax(dim=-1).index_select(0, rows).view(len(sampling), g_max + 1)
+            tokens = logits.argmax(dim=-1).index_select(0, rows)
+            return tokens.view(len(sampling), g_max + 1), target_pass
         st = SamplingTensors.from_params(params, self.device)
         st = st.repeat_interleave([g + 1 for g in gammas])
         probs = logits_to_probs(logits, st)
         rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
-        return probs.index_select(0, rows).view(len(sampling), g_max + 1, -1)
+        return probs.index_select(0, rows).view(len(sampling), g_max + 1, -1), target_pass

@@ -1,0 +1,240 @@
+"""EAGLE heads: both published layouts against independent references, greedy output equal to
+transformers' on the target, the sampled joint equal to the target's, the head's cache rolled
+back and rebuilt under preemption, and the training script's every phase."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specbatch import LLM, InvalidInputError, SamplingParams
+from specbatch.model.eagle import TargetParts, detect_layout, load_eagle_head
+from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBackend
+from specbatch.model.loader import load_model
+from specbatch.stats import chi_square_gof
+from specbatch.testing.eagle_heads import make_eagle_head
+from tests.helpers import exact_joint, hf_greedy
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_eagle.py"
+
+
+def train_script():
+    spec = importlib.util.spec_from_file_location("train_eagle", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    sys.path.insert(0, str(SCRIPT.parent))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny head trained by scripts/train_eagle.py (every phase) for the tiny target."""
+    run = tmp_path_factory.mktemp("eagle_run")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--steps", "150", "--target",
+         str(tiny_llama_checkpoint), "--out", str(run), "--export", str(run / "head")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return tiny_llama_checkpoint, run / "head"
+
+
+def test_training_script_writes_a_loadable_head(trained) -> None:
+    _, head = trained
+    info = json.loads((head / "training.json").read_text())
+    for key in ("command", "seed", "steps", "heldout_alpha_by_step", "parameters", "loss"):
+        assert key in info, key
+    assert detect_layout(head) == "eagle"
+    log = (head.parent / "train_eagle.log").read_text()
+    assert "features:" in log and "step 150/150" in log and "exported" in log
+
+
+# --- the layouts against references ---------------------------------------------------------
+
+
+def prefill(head, ids: torch.Tensor, feats: torch.Tensor):
+    """One ragged forward of a single sequence of len(ids) positions through the head."""
+    n = len(ids)
+    caches = head.allocate_kv_caches(-(-n // 4), 4, "cpu")
+    meta = AttentionMetadata.from_lists([n], [n], [list(range(-(-n // 4)))], 4)
+    return head(ids, head.from_target(feats), torch.arange(n), caches[0], meta)
+
+
+def test_eagle1_head_matches_the_training_reference(trained) -> None:
+    target_dir, head_dir = trained
+    target = load_model(target_dir, torch.float32, "cpu")
+    head = load_eagle_head(head_dir, TargetParts.of(target), target.attention_backend,
+                           torch.float32, "cpu")  # fmt: skip
+    tr = train_script()
+    cfg = json.loads((target_dir / "config.json").read_text())
+    ref = tr.Head(cfg, json.loads((head_dir / "config.json").read_text())["intermediate_size"])
+    from safetensors.torch import load_file
+
+    weights = load_file(str(head_dir / "model.safetensors"))
+    state = {}
+    for name, value in weights.items():
+        short = name.removeprefix("layers.0.").removeprefix("self_attn.").removeprefix("mlp.")
+        state[short.removesuffix(".weight") if "layernorm" in short else short] = value.float()
+    ref.load_state_dict(state, strict=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (21,), generator=gen)
+    feats = torch.randn(21, 64, generator=gen)
+    got, _ = prefill(head, ids, feats)
+    x = ref.fc(torch.cat([target.model.embed_tokens(ids), feats], dim=-1))[None]
+    q, k, v = ref.qkv(x)
+    want = ref.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def eagle3_reference(w: dict, cfg: dict, ids, feats, embed, vocab: int) -> torch.Tensor:
+    """EAGLE-3's head written out from its published design, over one whole sequence."""
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * weight
+
+    tr = train_script()
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // nh
+    t = len(ids)
+    hid = feats @ w["fc.weight"].T
+    x = torch.cat([norm(embed(ids), w["midlayer.input_layernorm.weight"]),
+                   norm(hid, w["midlayer.hidden_norm.weight"])], dim=-1)  # fmt: skip
+    cos, sin = tr.rope_tables(d, t, 10000.0)
+    q = tr.rotate(
+        (x @ w["midlayer.self_attn.q_proj.weight"].T).view(t, nh, d).transpose(0, 1), cos, sin
+    )
+    k = tr.rotate(
+        (x @ w["midlayer.self_attn.k_proj.weight"].T).view(t, nkv, d).transpose(0, 1), cos, sin
+    )
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(t, nkv, d).transpose(0, 1)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    r = hid + a.transpose(0, 1).reshape(t, h) @ w["midlayer.self_attn.o_proj.weight"].T
+    n = norm(r, w["midlayer.post_attention_layernorm.weight"])
+    mlp = F.silu(n @ w["midlayer.mlp.gate_proj.weight"].T) * (
+        n @ w["midlayer.mlp.up_proj.weight"].T
+    )
+    pre = r + mlp @ w["midlayer.mlp.down_proj.weight"].T
+    small = norm(pre, w["norm.weight"]) @ w["lm_head.weight"].T
+    full = torch.full((t, vocab), float("-inf"))
+    full[:, torch.arange(small.shape[1]) + w["d2t"]] = small
+    return full
+
+
+def test_eagle3_head_matches_the_published_design(make_checkpoint, tmp_path) -> None:
+    target_dir = make_checkpoint("llama", num_layers=6, seed=4)
+    head_dir = make_eagle_head(tmp_path / "e3", target_dir, "eagle3", seed=3, draft_vocab_size=192)
+    assert detect_layout(head_dir) == "eagle3"
+    target = load_model(target_dir, torch.float32, "cpu")
+    head = load_eagle_head(head_dir, TargetParts.of(target), TorchAttentionBackend(),
+                           torch.float32, "cpu")  # fmt: skip
+    assert head.streams == (2, 3, 3)  # layers 2, 6 // 2 and 6 - 3 of a 6-layer target
+    from safetensors.torch import load_file
+
+    w = {k: v.float() if v.is_floating_point() else v for k, v in
+         load_file(str(head_dir / "model.safetensors")).items()}  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (13,), generator=gen)
+    feats = torch.randn(13, 3 * 64, generator=gen)
+    _, hidden = prefill(head, ids, feats)
+    got = head.compute_logits(hidden)
+    cfg = json.loads((head_dir / "config.json").read_text())
+    want = eagle3_reference(w, cfg, ids, feats, target.model.embed_tokens, 256)
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite) and finite.sum() == 13 * 192
+    torch.testing.assert_close(got[finite], want[finite], atol=2e-4, rtol=2e-4)
+
+
+def test_bad_heads_are_named(make_checkpoint, tmp_path) -> None:
+    target = str(make_checkpoint("llama", seed=4))
+    e1 = make_eagle_head(tmp_path / "e1", target, "eagle", seed=1)
+    with pytest.raises(InvalidInputError, match=r"holds an EAGLE head; use method 'eagle'"):
+        LLM(target, speculative_config={"method": "eagle3", "model": str(e1)})
+    with pytest.raises(InvalidInputError, match="is not an EAGLE head"):
+        LLM(target, speculative_config={"method": "eagle", "model": target})
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(e1 / "model.safetensors"))
+    del weights["layers.0.mlp.down_proj.weight"]
+    save_file(weights, str(e1 / "model.safetensors"))
+    with pytest.raises(InvalidInputError, match=r"lacks mlp\.down_proj\.weight"):
+        LLM(target, speculative_config={"method": "eagle", "model": str(e1)})
+
+
+# --- through the engine -------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def eagle_llm(target, head, method: str = "eagle", k: int = 3, **kw) -> LLM:
+    args = dict(block_size=4, num_kv_blocks=512, max_model_len=128, max_num_seqs=256)
+    args.update(kw)
+    config = {"method": method, "model": str(head), "num_speculative_tokens": k}
+    return LLM(str(target), speculative_config=config, **args)
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks, "leaked KV blocks"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], list(range(60, 95))]
+
+
+def test_greedy_with_the_trained_head_equals_transformers(trained) -> None:
+    target, head = trained
+    llm = eagle_llm(target, head)
+    assert greedy_ids(llm, PROMPTS) == hf_greedy(target, PROMPTS, 24)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and spec.accepted > 0
+
+
+def test_greedy_with_an_eagle3_head_equals_transformers(make_checkpoint, tmp_path) -> None:
+    target = make_checkpoint("llama", num_layers=6, seed=4)
+    head = make_eagle_head(tmp_path / "e3", target, "eagle3", seed=3, draft_vocab_size=192)
+    llm = eagle_llm(target, head, "eagle3", k=2)
+    assert greedy_ids(llm, PROMPTS) == hf_greedy(target, PROMPTS, 24)
+    assert llm.engine.metrics.spec.proposed > 0
+
+
+def test_preemption_rebuilds_the_heads_cache(trained) -> None:
+    """A pool so small that requests are preempted (recompute) again and again: the head's
+    cache is rebuilt from the target's features and the greedy output does not change."""
+    target, head = trained
+    prompts = [list(range(10 + i, 30 + i)) for i in range(6)]
+    small = eagle_llm(target, head, num_kv_blocks=16, max_model_len=48)
+    got = greedy_ids(small, prompts)
+    assert small.engine.metrics.num_preemptions > 0
+    assert got == hf_greedy(target, prompts, 24)
+    assert small.engine.metrics.spec.accepted > 0
+
+
+N = 6000
+ALPHA = 1e-3  # false-alarm rate
+
+
+def test_joint_of_first_three_tokens_is_the_targets(make_checkpoint, tmp_path) -> None:
+    target = make_checkpoint("llama", vocab_size=32, hidden_size=32, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, seed=3, max_position_embeddings=64)  # fmt: skip
+    head = make_eagle_head(tmp_path / "h", target, "eagle", seed=5, with_embedding=True)
+    llm = eagle_llm(target, head, k=3, seed=2, max_model_len=64)
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
+    prompt = [3, 4, 5, 6]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, params, use_tqdm=False)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > N and 0.05 < spec.acceptance_rate < 0.98
+    samples = Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
+    exact = exact_joint(target, prompt, 3)
+    keys = sorted(set(exact) | set(samples))
+    res = chi_square_gof([samples.get(k, 0) for k in keys], [exact.get(k, 0.0) for k in keys])
+    assert res.p_value >= ALPHA, f"chi-square {res.statistic:.1f} on {res.dof} dof"
