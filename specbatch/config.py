@@ -73,7 +73,9 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
-    """``auto`` takes the checkpoint's dtype, except that 16-bit weights run in float32 on CPU."""
+    """``auto`` takes the checkpoint's dtype. On a CPU, 16-bit weights run in bfloat16 where the
+    CPU multiplies bfloat16 natively (specbatch's kernels with avx512_bf16: about twice
+    float32's speed at every batch size), else in float32; float32 weights stay float32."""
     import torch
 
     if dtype not in DTYPES:
@@ -90,7 +92,12 @@ def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
     ):
         stored = torch.float32
     if device == "cpu":
-        return torch.float32
+        if stored == torch.float32:
+            return stored
+        from specbatch.kernels.cpu import cpu_kernels
+
+        kernels = cpu_kernels()
+        return torch.bfloat16 if kernels is not None and kernels.bf16_matmul else torch.float32
     return stored
 
 

@@ -245,3 +245,17 @@ def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(dtype: torch
                 sl = slice(rows.start + lo, rows.start + hi)
                 parts.append(backend.forward(q[sl], k[sl], v[sl], kc, vc, part, 0.125))
             assert torch.equal(torch.cat(parts), whole[rows]), f"sequence {b} differs chunked"
+
+
+def test_dtype_auto_on_a_cpu() -> None:
+    """float32 weights stay float32; 16-bit weights run in bfloat16 where the CPU multiplies
+    bfloat16 natively, else in float32."""
+    from types import SimpleNamespace
+
+    from specbatch.config import resolve_dtype
+
+    assert resolve_dtype("auto", SimpleNamespace(dtype="float32"), "cpu") == torch.float32
+    want = torch.bfloat16 if kernels().bf16_matmul else torch.float32
+    assert resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), "cpu") == want
+    assert resolve_dtype("auto", SimpleNamespace(torch_dtype="float16"), "cpu") == want
+    assert resolve_dtype("float32", SimpleNamespace(dtype="bfloat16"), "cpu") == torch.float32
