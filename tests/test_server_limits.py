@@ -82,7 +82,7 @@ def test_max_tokens_past_the_context_is_400_naming_the_limit(server: ServerThrea
     ok = post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True})
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 6
-    # without max_tokens a chat reply runs to the end of the context
+    # chat: max_completion_tokens is checked the same way
     msgs = [{"role": "user", "content": "hi"}]
     r = post(
         server,
