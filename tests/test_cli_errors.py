@@ -22,17 +22,10 @@ from specbatch import LLM
 from specbatch.entrypoints.cli import main
 from specbatch.errors import InvalidInputError
 from specbatch.testing.checkpoints import make_random_checkpoint
+from tests import test_cli
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=256,
-)
-ENGINE = ["--num-kv-blocks", "16", "--max-model-len", "64", "--max-tokens", "4", "--no-progress"]
+SMALL = {**test_cli.SMALL, "num_kv_heads": 2}  # two KV heads: tensor-parallel size 2 divides
+ENGINE = test_cli.ENGINE
 CLI = [sys.executable, "-m", "specbatch.entrypoints.cli"]
 
 
