@@ -345,12 +345,13 @@ class EngineArgs:
     def _model_config(
         path: str, field_name: str, tokenizer: str | None, device: str, dtype: str
     ) -> ModelConfig:
-        from specbatch.model.loader import check_config, checkpoint_files, load_hf_config
+        from specbatch.model.checkpoint_files import check_checkpoint_files, checkpoint_files
+        from specbatch.model.loader import check_config, load_hf_config
 
         try:
             hf_config = load_hf_config(path)
             check_config(hf_config)
-            checkpoint_files(path)
+            check_checkpoint_files(checkpoint_files(path))
         except InvalidInputError as e:
             msg = str(e)
             if msg.startswith("model") and field_name != "model":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specbatch.errors import InvalidInputError
@@ -92,8 +93,14 @@ class SamplingParams:
 
     @staticmethod
     def _check_number(name: str, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidInputError(f"{name} must be a number, got {value!r}")
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int past float's range
+            finite = False
+        if not finite:
+            raise InvalidInputError(f"{name} must be a finite number, got {value!r}")
 
     @staticmethod
     def _check_int(name: str, value: object) -> None:

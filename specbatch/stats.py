@@ -8,6 +8,13 @@ speculative and from plain decoding) and the total-variation distance. p-values 
 Both tests pool the categories whose expected count is below `min_expected` into one bin, so
 that the chi-square approximation holds; a pooled bin that is itself too small is merged into
 the smallest regular bin.
+
+Power: any distribution q at total-variation distance d from p has a chi-square divergence
+sum (q - p)^2 / p >= 4 d^2 (Cauchy-Schwarz), equality for the hardest alternative (mass moved
+by a factor 1 +- 2d between two halves of p). With n samples the Pearson statistic is then
+asymptotically noncentral chi-square with noncentrality >= 4 n d^2, so `power` is a lower bound
+on the probability of catching ANY error of total variation d on the test's bins. A difference
+inside the pooled bin is invisible: over the categories the test catches d + `pooled_mass`.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ class ChiSquareResult:
     dof: int
     p_value: float
     bins: int
+    pooled_mass: float = 0.0  # expected share of the bin that holds the pooled categories
 
 
 def chi_square_sf(statistic: float, dof: int) -> float:
@@ -37,6 +45,48 @@ def chi_square_sf(statistic: float, dof: int) -> float:
     a = torch.tensor(dof / 2.0, dtype=torch.float64)
     x = torch.tensor(max(statistic, 0.0) / 2.0, dtype=torch.float64)
     return float(torch.special.gammaincc(a, x))
+
+
+def chi_square_isf(alpha: float, dof: int) -> float:
+    """The critical value c with P(X >= c) = alpha for X ~ chi-square(dof)."""
+    lo, hi = 0.0, dof + 50.0 * math.sqrt(dof) + 100.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if chi_square_sf(mid, dof) > alpha else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def noncentral_chi_square_sf(x: float, dof: int, noncentrality: float) -> float:
+    """P(X >= x) for X noncentral chi-square: a Poisson(noncentrality / 2) mixture of central
+    chi-squares with dof + 2j degrees of freedom."""
+    half = noncentrality / 2.0
+    if half == 0.0:
+        return chi_square_sf(x, dof)
+    spread = 12.0 * math.sqrt(half) + 30.0
+    total = 0.0
+    for j in range(max(0, int(half - spread)), int(half + spread) + 1):
+        weight = math.exp(j * math.log(half) - half - math.lgamma(j + 1))
+        total += weight * chi_square_sf(x, dof + 2 * j)
+    return min(1.0, total)
+
+
+def power(n: float, dof: int, tv: float, alpha: float) -> float:
+    """Lower bound (asymptotic) on the probability that a chi-square test with ``dof`` degrees
+    of freedom at level ``alpha`` rejects when the truth is at total-variation distance ``tv``
+    over its bins (see the module doc). ``n``: the sample size for goodness of fit, or
+    ``n_a * n_b / (n_a + n_b)`` for two samples."""
+    if dof <= 0 or tv <= 0:
+        return alpha
+    return noncentral_chi_square_sf(chi_square_isf(alpha, dof), dof, 4.0 * n * tv * tv)
+
+
+def detectable_tv(n: float, dof: int, alpha: float, probability: float = 0.9) -> float:
+    """The total-variation distance that ``power`` catches with ``probability``."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if power(n, dof, mid, alpha) < probability else (lo, mid)
+    return hi
 
 
 def _pool_columns(expected: np.ndarray, min_expected: float) -> list[np.ndarray]:
@@ -59,6 +109,12 @@ def _pool_columns(expected: np.ndarray, min_expected: float) -> list[np.ndarray]
             j = int(np.argmin(smallest[big]))
             groups[j] = np.concatenate([groups[j], small])
     return groups
+
+
+def _pooled_mass(groups: list[np.ndarray], expected: np.ndarray) -> float:
+    """Expected count of the group holding several categories (``_pool_columns`` makes at most
+    one), 0 if none does."""
+    return float(sum(e for g, e in zip(groups, expected) if len(g) > 1))
 
 
 def chi_square_gof(
@@ -95,7 +151,8 @@ def chi_square_gof(
     o = np.array([obs[g].sum() for g in groups])
     statistic = float(((o - e) ** 2 / e).sum())
     dof = len(groups) - 1
-    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups))
+    pooled = _pooled_mass(groups, e) / n
+    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups), pooled)
 
 
 def chi_square_two_sample(
@@ -124,7 +181,8 @@ def chi_square_two_sample(
     e = np.stack([expected[:, g].sum(axis=1) for g in groups], axis=1)
     statistic = float(((o - e) ** 2 / e).sum())
     dof = len(groups) - 1
-    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups))
+    pooled = _pooled_mass(groups, e.sum(axis=0)) / row_totals.sum()
+    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups), pooled)
 
 
 def total_variation(

@@ -18,6 +18,20 @@ def load_tokenizer(path: str) -> Any:
         raise InvalidInputError(f"tokenizer: cannot load a tokenizer from '{path}': {e}") from None
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: the longest token string of the
+    vocabulary, added tokens included (a byte-level token's string has one character per byte,
+    a SentencePiece one a character per character, so neither undercounts). Assumes, as every
+    LLM tokenizer does, that normalisation never deletes characters."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids, without transformers' warning about the model's maximum length
+    (the engine checks lengths itself, against max_model_len, with a clearer message)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
+
+
 def eos_token_ids(hf_config: Any, tokenizer: Any | None, model_path: str) -> frozenset[int]:
     """EOS ids from generation_config.json, the model config and the tokenizer, together."""
     ids: set[int] = set()

@@ -63,7 +63,10 @@ def test_parse_rates_and_percentiles() -> None:
     assert p["p50"] == pytest.approx(50.5) and p["mean"] == pytest.approx(50.5)
     assert p["p99"] == pytest.approx(99.01)
     assert percentiles([])["p90"] is None
-    assert synthetic_prompts(3, 5, seed=1) == synthetic_prompts(3, 5, seed=1)
+    prompts = synthetic_prompts(3, 5, seed=1)
+    assert len(prompts) == 3 and all(len(p.split()) == 5 for p in prompts)
+    assert len(set(prompts)) == 3  # not one prompt repeated
+    assert prompts == synthetic_prompts(3, 5, seed=1) != synthetic_prompts(3, 5, seed=2)
 
 
 def test_load_no_errors_no_leaks(server: tuple[str, Any]) -> None:

@@ -27,6 +27,11 @@ def llm(make_checkpoint):
         (dict(stop=[""]), "stop strings must not be empty"),
         (dict(n=2), "n must be 1"),
         (dict(seed=2**70), "seed must be in"),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(temperature=10**400), "temperature must be a finite number"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
+        (dict(min_p=float("-inf")), "min_p must be a finite number"),
     ],
 )
 def test_bad_sampling_parameters(kwargs, message):
@@ -102,3 +107,21 @@ def test_bad_engine_arguments(make_checkpoint):
         LLM(target, num_speculative_tokens=3)
     with pytest.raises(InvalidInputError, match="tensor_parallel_size=3 does not divide"):
         LLM(target, tensor_parallel_size=3)
+
+
+def test_a_text_prompt_longer_than_any_within_the_limit_is_refused_unread(
+    make_checkpoint, monkeypatch
+):
+    llm = LLM(
+        str(make_checkpoint("llama", with_tokenizer=True)), num_kv_blocks=32, max_model_len=64
+    )
+    engine = llm.engine
+    longest = max(len(t) for t in engine.tokenizer.get_vocab())
+    assert engine.max_prompt_chars == 63 * longest  # no 63 tokens cover more characters
+    calls = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or [5])
+    with pytest.raises(InvalidInputError, match=r"prompts\[0\]: \d+ characters, more than the"):
+        llm.generate("a" * (engine.max_prompt_chars + 1), use_tqdm=False)
+    assert calls == []  # refused before any tokenization
+    llm.generate("a" * engine.max_prompt_chars, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(calls) == 1

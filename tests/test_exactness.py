@@ -3,12 +3,17 @@
 For one prompt we sample N independent continuations (each request has its own generator) and
 compare the empirical joint distribution of the FIRST THREE generated tokens with the exact joint
 computed from the target's conditional probabilities (tests/helpers.py, via transformers), by a
-chi-square goodness-of-fit test with sparse bins pooled (expected count >= 5).
+chi-square goodness-of-fit test (cells expected fewer than 5 times pooled into one bin).
 
-False-alarm rate: each test rejects at p < 1e-3; seeds are fixed, so a run is reproducible.
-Power: with N = 6000 samples the test detects a total-variation error of a few percent in the
-3-token joint; ``test_the_test_catches_a_broken_residual`` shows it catching a real bug (the
-residual replaced by p), which shifts the joint by only a few percent.
+False alarms: each test rejects at p < ALPHA = 1e-3; seeds are fixed, so a run is reproducible.
+Power: the target's vocabulary has 3 tokens, so the joint has at most 27 cells, and N = 14,000.
+Any error of total variation TV = 0.03 in the joint is then caught with probability >= 0.90
+(``specbatch.stats.power``, the noncentral chi-square bound for the hardest alternative at that
+distance: 0.93 at the 26 degrees of freedom of a full joint, more with fewer; validated by
+simulation in tests/test_stats.py). Each test computes the bound from its own degrees of
+freedom, less what its pooled bin could hide, and fails if it is below 0.90.
+``test_the_test_catches_a_broken_residual`` shows it catching a real bug (the residual replaced
+by p, which moves the joint by a total variation of about 0.2).
 
 Requests generate ``gamma + 2`` tokens so that the first round after the prompt drafts its full
 gamma (drafting stops at max_tokens), while only the first three tokens are tested.
@@ -22,15 +27,16 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
-from specbatch.stats import chi_square_gof
+from specbatch.stats import chi_square_gof, power
 from specbatch.worker import rejection_sampler
 from specbatch.worker.sampler import sample
 from tests.helpers import exact_joint, make_perturbed_draft
 
 ALPHA = 1e-3
-N = 6000
-PROMPT = [3, 4, 5, 6]
-VOCAB = 32
+N = 14_000
+TV, POWER = 0.03, 0.90  # the error every test must catch, and with what probability
+PROMPT = [1, 2, 0]
+VOCAB = 3
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,9 @@ def pair(make_checkpoint, tmp_path_factory):
         num_heads=2,
         num_kv_heads=1,
         intermediate_size=64,
-        seed=3,
+        seed=7,
         max_position_embeddings=64,
+        eos_token_id=None,  # in a 3-token vocabulary every token is content
     )
     draft = make_perturbed_draft(target, tmp_path_factory.mktemp("draft"), noise=0.25, seed=1)
     return target, draft
@@ -55,12 +62,23 @@ def sample_sequences(llm: LLM, params: list[SamplingParams]) -> list[tuple[int, 
     return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
 
 
-def assert_matches(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> None:
+def assert_matches(
+    samples: list[tuple[int, ...]],
+    exact: dict[tuple[int, ...], float],
+    tv: float | None = TV,
+) -> None:
+    """The chi-square test at ALPHA; first, unless ``tv`` is None, the check that it catches a
+    total-variation error of ``tv`` with probability POWER."""
     keys = sorted(set(exact) | set(samples))
     counts = Counter(samples)
     observed = [counts.get(k, 0) for k in keys]
     expected = [exact.get(k, 0.0) for k in keys]
     res = chi_square_gof(observed, expected)
+    guaranteed = 1.0 if tv is None else power(len(samples), res.dof, tv - res.pooled_mass, ALPHA)
+    assert guaranteed >= POWER, (
+        f"the test is too weak: {res.dof} dof, pooled mass {res.pooled_mass:.4f}, "
+        f"catches a TV error of {tv} with probability {guaranteed:.3f} only"
+    )
     assert res.p_value >= ALPHA, (
         f"chi-square {res.statistic:.1f} on {res.dof} dof, p={res.p_value:.2e}"
     )
@@ -117,11 +135,11 @@ def test_mixed_batch_of_temperatures_and_draft_lengths(pair):
 
 
 def test_preemption_mid_request_keeps_the_distribution(pair):
-    # 12 blocks of 4 slots: a few requests at a time, preempted again and again while drafting
-    llm = engine(pair, 3, seed=5, num_kv_blocks=16, max_model_len=32, max_num_seqs=32)
+    # 96 blocks of 4 slots for 64 requests of up to 19 slots: preempted again and again
+    llm = engine(pair, 3, seed=5, num_kv_blocks=96, max_model_len=32, max_num_seqs=64)
     params = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * N
     samples = sample_sequences(llm, params)
-    assert llm.engine.metrics.num_preemptions > 50
+    assert llm.engine.metrics.num_preemptions > 500
     assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
 
 
@@ -134,7 +152,7 @@ def test_the_test_catches_a_broken_residual(pair, monkeypatch):
     llm = engine(pair, 3, seed=3)
     params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)] * N
     samples = sample_sequences(llm, params)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="p="):  # the p-value, not the power check
         assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
 
 

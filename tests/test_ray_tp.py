@@ -240,7 +240,8 @@ def test_exactness_at_tp2(engines, pair) -> None:
     samples = sample_sequences(llm, params)  # also asserts that every KV block came back
     rate = (spec.accepted - accepted) / max(1, spec.proposed - proposed)
     assert 0.05 < rate < 0.98  # rejections and acceptances both happen
-    assert_matches(samples, exact_joint(pair[0], PROMPT, 3, 1.0, 1.0))
+    # 4,000 samples of a 32-token joint: gross errors only (test_exactness's tests are rated)
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3, 1.0, 1.0), tv=None)
 
 
 def test_sharded_draft_equals_tp1_and_shutdown_releases_everything(engines, pair) -> None:

@@ -225,8 +225,10 @@ def test_sample_is_deterministic_and_ignores_normalisation() -> None:
     gen = torch.Generator().manual_seed(3)
     probs = torch.softmax(torch.randn(64, 20, generator=gen), dim=-1)
     u = torch.rand(64, generator=gen)
-    assert torch.equal(sample(probs, u), sample(probs.clone(), u.clone()))
-    assert torch.equal(sample(probs, u), sample(probs * 3.5, u))
+    kept = probs.clone(), u.clone()
+    tokens = sample(probs, u)
+    assert torch.equal(probs, kept[0]) and torch.equal(u, kept[1])  # its inputs are left as given
+    assert torch.equal(tokens, sample(probs * 3.5, u))
     # Inverse CDF: the token is the first one whose cumulative mass exceeds u.
     cdf = probs.double().cumsum(-1)
     expected = (cdf <= u.double().unsqueeze(1)).sum(-1)

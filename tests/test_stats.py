@@ -11,8 +11,12 @@ from scipy import stats as sps
 
 from specbatch.stats import (
     chi_square_gof,
+    chi_square_isf,
     chi_square_sf,
     chi_square_two_sample,
+    detectable_tv,
+    noncentral_chi_square_sf,
+    power,
     total_variation,
 )
 
@@ -140,3 +144,46 @@ def test_total_variation() -> None:
     assert total_variation({"a": 0.5, "b": 0.5}, {"a": 0.25, "c": 0.75}) == pytest.approx(0.75)
     with pytest.raises(ValueError):
         total_variation([0.5, 0.5], [1.0])
+
+
+@pytest.mark.parametrize(("dof", "nc"), [(1, 0.0), (4, 0.7), (26, 47.3), (63, 65.0), (149, 300.0)])
+def test_noncentral_sf_and_critical_value_match_scipy(dof: int, nc: float) -> None:
+    for x in [0.5, float(dof), dof + nc, dof + nc + 4 * math.sqrt(2 * (dof + 2 * nc))]:
+        assert noncentral_chi_square_sf(x, dof, nc) == pytest.approx(
+            sps.ncx2.sf(x, dof, nc) if nc else sps.chi2.sf(x, dof), rel=1e-6, abs=1e-12
+        )
+    assert chi_square_isf(1e-3, dof) == pytest.approx(sps.chi2.isf(1e-3, dof), rel=1e-9)
+
+
+def test_power_against_the_hardest_alternative_by_simulation() -> None:
+    """The alternative at total variation d with the least chi-square divergence scales half of
+    p's mass by 1 + 2d and the other half by 1 - 2d; its rejection rate is what ``power`` says,
+    and any other alternative at the same distance is caught more often."""
+    rng = np.random.default_rng(1)
+    k, n, d, alpha, trials = 16, 3000, 0.04, 0.01, 4000
+    p = np.full(k, 1 / k)
+    hardest = p * np.where(np.arange(k) < k // 2, 1 + 2 * d, 1 - 2 * d)
+    concentrated = p.copy()  # the same distance, all of it moved between two categories
+    concentrated[0] += d
+    concentrated[1] -= d
+    assert total_variation(p, hardest) == pytest.approx(d)
+    assert total_variation(p, concentrated) == pytest.approx(d)
+    crit = chi_square_isf(alpha, k - 1)
+
+    def rejection_rate(q: np.ndarray) -> float:
+        obs = rng.multinomial(n, q, size=trials)
+        statistic = ((obs - n * p) ** 2 / (n * p)).sum(axis=1)
+        return float((statistic >= crit).mean())
+
+    predicted = power(n, k - 1, d, alpha)
+    assert 0.3 < predicted < 0.9
+    assert rejection_rate(hardest) == pytest.approx(predicted, abs=0.04)
+    assert rejection_rate(concentrated) > predicted + 0.1
+    assert power(n, k - 1, detectable_tv(n, k - 1, alpha), alpha) == pytest.approx(0.9, abs=1e-6)
+
+
+def test_pooled_mass_is_reported() -> None:
+    probs = np.array([0.5, 0.45, 0.03, 0.01, 0.01])
+    res = chi_square_gof(np.array([50, 45, 3, 1, 1]), probs)  # n = 100: the last three pool
+    assert res.bins == 3 and res.pooled_mass == pytest.approx(0.05)
+    assert chi_square_gof(np.array([500, 450, 30, 10, 10]), probs).pooled_mass == 0.0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from scipy import stats as sps
 
 from specbatch.entrypoints.cli import main
 from specbatch.errors import InvalidInputError
@@ -67,7 +68,11 @@ def test_passes_on_a_tiny_pair(pair: tuple[str, str]) -> None:
     assert report.max_draft_len == 2  # every draft position was exercised
     assert report.acceptance_rate is not None and 0.1 < report.acceptance_rate < 0.9
     assert report.mean_tokens_per_round is not None and report.mean_tokens_per_round > 1.0
-    assert sum([report.distinct_speculative, report.distinct_plain]) >= report.distinct_total
+    # the stated power, recomputed with scipy: two samples of 400 act like one of 200
+    d = report.detectable_tv - report.pooled_mass
+    crit = sps.chi2.isf(report.alpha, report.dof)
+    assert sps.ncx2.sf(crit, report.dof, 4 * 200 * d * d) == pytest.approx(0.9, abs=1e-4)
+    assert f"{report.detectable_tv:.3f} between the two" in format_report(report)
 
 
 def test_fails_when_the_plain_run_samples_the_draft(pair: tuple[str, str]) -> None:

@@ -2,6 +2,8 @@
 
 Every engine call (``add_request``, ``abort_request``, ``step``) runs on ONE dedicated thread, so
 the engine is never touched from two threads at once and the event loop never blocks on a step.
+Prompts are tokenized on a small pool of other threads (``prepare``: the tokenizer releases the
+GIL), so a long prompt delays neither the event loop nor the steps of the requests running.
 Each request gets an asyncio queue that the loop fills with the engine's ``RequestOutput``s
 (cumulative text and token ids) as rounds accept tokens; a consumer that stops iterating (a
 client that went away) aborts its request, which returns its KV blocks to the pool.
@@ -17,9 +19,9 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine, PromptInput
@@ -27,7 +29,9 @@ from specbatch.errors import EngineError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 
+T = TypeVar("T")
 DEFAULT_MAX_QUEUE_LEN = 1024
+TOKENIZER_THREADS = 2
 
 
 class QueueFullError(RuntimeError):
@@ -87,6 +91,9 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self.num_aborted = 0  # requests aborted before they finished (clients that went away)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-engine")
+        self._tokenizers = ThreadPoolExecutor(
+            max_workers=TOKENIZER_THREADS, thread_name_prefix="specbatch-tokenize"
+        )
         self._streams: dict[str, RequestStream] = {}
         self._aborts: list[str] = []
         self._aborts_lock = threading.Lock()
@@ -124,15 +131,37 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Check and queue a request; raises ``InvalidInputError``, ``QueueFullError`` or
         ``EngineError`` before anything is queued."""
-        self._ensure_started()
-        if self.error is not None:
-            raise EngineError(f"the engine has failed: {self.error}")
-        if len(self._streams) >= self.max_in_flight:
-            raise QueueFullError(
-                f"the server is full: {len(self._streams)} requests in flight "
-                f"(max_num_seqs {self.engine.config.max_num_seqs} + max_queue_len "
-                f"{self.max_queue_len}); retry later"
-            )
+        self._check_admission()
+        text, ids = await self.prepare(prompt, params, field)
+        return await self.add_prepared(text, ids, params, request_id)
+
+    async def prepare(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        field: str = "prompt",
+        add_special_tokens: bool = True,
+    ) -> tuple[str | None, list[int]]:
+        """``LLMEngine.check_request`` on the tokenizer threads: the prompt's text and ids."""
+        return await self.run_on_tokenizer_threads(
+            self.engine.check_request, prompt, params, field, add_special_tokens
+        )
+
+    async def run_on_tokenizer_threads(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizer threads (work that reads only the tokenizer)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizers, fn, *args)
+
+    async def add_prepared(
+        self,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request that ``prepare`` accepted; raises ``QueueFullError`` or
+        ``EngineError`` before anything is queued."""
+        self._check_admission()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in flight")
@@ -141,7 +170,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(
-                self._thread, self.engine.add_request, prompt, params, rid, field
+                self._thread, self.engine.add_checked_request, text, prompt_token_ids, params, rid
             )
         except asyncio.CancelledError:  # the add still runs on the engine thread: undo it
             self.abort(rid)
@@ -152,6 +181,17 @@ class AsyncLLMEngine:
         assert self._wake is not None
         self._wake.set()
         return stream
+
+    def _check_admission(self) -> None:
+        self._ensure_started()
+        if self.error is not None:
+            raise EngineError(f"the engine has failed: {self.error}")
+        if len(self._streams) >= self.max_in_flight:
+            raise QueueFullError(
+                f"the server is full: {len(self._streams)} requests in flight "
+                f"(max_num_seqs {self.engine.config.max_num_seqs} + max_queue_len "
+                f"{self.max_queue_len}); retry later"
+            )
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
@@ -233,3 +273,4 @@ class AsyncLLMEngine:
         with contextlib.suppress(Exception):
             await loop.run_in_executor(self._thread, self.engine.shutdown)
         self._thread.shutdown(wait=False)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``, as in vLLM."""
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` and ``.chat(messages)``,
+as in vLLM."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from specbatch.chat import Message, check_messages, conversations_of, render_chat
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine, PromptInput
 from specbatch.errors import InvalidInputError
@@ -37,7 +39,39 @@ class LLM:
         Every prompt is checked before any work starts. If generation fails or is interrupted,
         the requests of this call are aborted, so the KV pool is whole again.
         """
-        items = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm, True)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to each
+        of a list of them, as vLLM's ``LLM.chat``: each is rendered by ``chat_template`` (else
+        the tokenizer's), ending with the assistant's turn, and generated from like a prompt."""
+        conversations = conversations_of(messages)
+        tok = self.engine.tokenizer
+        texts: list[PromptInput] = [
+            render_chat(
+                tok,
+                check_messages(c, f"messages[{i}]" if len(conversations) > 1 else "messages"),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            for i, c in enumerate(conversations)
+        ]
+        return self._generate(texts, sampling_params, use_tqdm, False)
+
+    def _generate(
+        self,
+        items: list[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             params = [SamplingParams()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
@@ -49,7 +83,7 @@ class LLM:
                     f"sampling_params: {len(params)} given for {len(items)} prompts"
                 )
         checked = [
-            self.engine.check_request(p, sp, field=f"prompts[{i}]")
+            self.engine.check_request(p, sp, f"prompts[{i}]", add_special_tokens)
             for i, (p, sp) in enumerate(zip(items, params))
         ]  # all or nothing: a bad prompt leaves no request of this call behind
         ids = [

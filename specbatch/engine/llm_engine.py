@@ -19,7 +19,7 @@ from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
 from specbatch.scheduler.step_cost import StepCostModel
 from specbatch.stop_checker import StopChecker
-from specbatch.tokenizer import eos_token_ids, load_tokenizer
+from specbatch.tokenizer import encode_text, eos_token_ids, load_tokenizer, max_token_chars
 from specbatch.worker.executor import create_executor
 
 PromptInput = str | dict[str, Any] | list[int]
@@ -32,6 +32,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tok_path) if tok_path else None
         self.eos_token_ids = eos_token_ids(
             config.target.hf_config, self.tokenizer, config.target.path
+        )
+        # A text prompt longer than this has more tokens than the prompt limit: refused unread.
+        self.max_prompt_chars = (config.max_model_len - 1) * (
+            max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         )
         self.executor = create_executor(config)
         try:
@@ -68,14 +72,18 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def prepare_prompt(
-        self, prompt: PromptInput, field: str = "prompt"
+        self, prompt: PromptInput, field: str = "prompt", add_special_tokens: bool = True
     ) -> tuple[str | None, list[int]]:
-        """Text and token ids of a prompt, checked against the vocabulary and max_model_len."""
+        """Text and token ids of a prompt, checked against the vocabulary and max_model_len.
+
+        A text prompt of more than ``max_prompt_chars`` characters is refused before it is
+        tokenized: no tokenization of it could fit. ``add_special_tokens=False`` for text that
+        already holds them (a rendered chat template)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return self.prepare_prompt(list(prompt["prompt_token_ids"]), field)
             if "prompt" in prompt:
-                return self.prepare_prompt(prompt["prompt"], field)
+                return self.prepare_prompt(prompt["prompt"], field, add_special_tokens)
             raise InvalidInputError(f"{field}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
@@ -85,7 +93,14 @@ class LLMEngine:
                     f"{field}: the model has no tokenizer, so prompts must be token ids "
                     "({'prompt_token_ids': [...]})"
                 )
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            if len(prompt) > self.max_prompt_chars:
+                limit = self.config.max_model_len - 1
+                raise InvalidInputError(
+                    f"{field}: {len(prompt)} characters, more than the {self.max_prompt_chars} "
+                    f"that any prompt within the limit of {limit} tokens can have (max_model_len "
+                    f"{self.config.max_model_len} leaves room for one output token)"
+                )
+            text, ids = prompt, encode_text(self.tokenizer, prompt, add_special_tokens)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             vocab = self.config.target.vocab_size
@@ -110,12 +125,17 @@ class LLMEngine:
         return text, ids
 
     def check_request(
-        self, prompt: PromptInput, params: SamplingParams, field: str = "prompt"
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        field: str = "prompt",
+        add_special_tokens: bool = True,
     ) -> tuple[str | None, list[int]]:
-        """Everything ``add_request`` would refuse, checked without adding anything."""
+        """Everything ``add_request`` would refuse, checked without adding anything. Reads only
+        the tokenizer and the configuration: safe on another thread than the engine's."""
         if params.stop_strings and self.tokenizer is None:
             raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
-        return self.prepare_prompt(prompt, field)
+        return self.prepare_prompt(prompt, field, add_special_tokens)
 
     def add_request(
         self,

@@ -48,7 +48,9 @@ def add_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL")
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)"
+    )
     p.add_argument(
         "--request-rate",
         type=parse_rates,
@@ -56,21 +58,73 @@ def add_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         metavar="RATES",
         help="comma-separated requests/s, inf = all at once (default: inf)",
     )
-    p.add_argument("--num-prompts", type=int, default=100, metavar="N", help="requests per rate")
-    p.add_argument("--max-concurrency", type=int, default=None, metavar="C")
-    p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="per request")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
-    p.add_argument("--prompts", metavar="FILE", help=".txt or .jsonl prompts (cycled)")
     p.add_argument(
-        "--input-words", type=int, default=16, metavar="N", help="synthetic prompt length"
+        "--num-prompts",
+        type=int,
+        default=100,
+        metavar="N",
+        help="requests per rate (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrival times")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        metavar="C",
+        help="most requests in flight at once; a request that arrives past it waits for one "
+        "to finish (default: no limit)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=32, metavar="N", help="per request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy (default: %(default)s)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help=".txt or .jsonl prompts, cycled (default: synthetic prompts of --input-words words)",
+    )
+    p.add_argument(
+        "--input-words",
+        type=int,
+        default=16,
+        metavar="N",
+        help="synthetic prompt length (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the prompts and arrival times (default: %(default)s)",
+    )
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per request")
-    p.add_argument("--output-json", default="bench_serve.json", metavar="FILE")
-    p.add_argument("--output-png", default="bench_serve.png", metavar="FILE")
+    p.add_argument(
+        "--api-key", default=None, metavar="KEY", help="bearer token to send (default: none)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="per request, in seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output-json",
+        default="bench_serve.json",
+        metavar="FILE",
+        help="the report (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output-png",
+        default="bench_serve.png",
+        metavar="FILE",
+        help="latency against throughput (default: %(default)s)",
+    )
     p.set_defaults(func=run)
     return p
 

@@ -2,7 +2,7 @@
 
 Every user error (a bad flag value, a model directory that is not a checkpoint, a KV budget too
 small, a missing file) ends as ``error: <message>`` on stderr with exit status 2, never a
-traceback. Ctrl-C exits with status 130.
+traceback. Ctrl-C exits with status 130, SIGTERM (handled the same way) with 143.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from specbatch import __version__
 from specbatch.entrypoints import bench, bench_serve, generate, serve, verify
 from specbatch.entrypoints.engine_flags import CliParser, flag_message
+from specbatch.entrypoints.signals import exit_status, sigterm_as_interrupt, what_happened
 from specbatch.errors import EngineError, InvalidInputError
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> CliParser:
@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, or a usage error (already printed)
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
     try:
-        return int(args.func(args))
+        with sigterm_as_interrupt():
+            return int(args.func(args))
     except InvalidInputError as e:
         return _error(
             flag_message(
@@ -60,9 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineError as e:  # a worker died or hung: what was written is kept
         print(f"error: engine failure: {e}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        print(f"\n{what_happened(e)}", file=sys.stderr, flush=True)
+        return exit_status(e)
 
 
 if __name__ == "__main__":

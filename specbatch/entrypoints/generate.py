@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.entrypoints.engine_flags import (
@@ -17,9 +16,10 @@ from specbatch.entrypoints.engine_flags import (
     engine_args_from,
     sampling_kwargs_from,
 )
+from specbatch.entrypoints.generate_output import ResultsFile, load_finished, result_record
 from specbatch.entrypoints.prompts_file import PromptLine, PromptsFile, read_prompts
+from specbatch.entrypoints.signals import exit_status, what_happened
 from specbatch.errors import InvalidInputError
-from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 
 FIELDS = ("prompts", "output", "resume")  # flag-named fields in this command's messages
@@ -46,8 +46,9 @@ malformed lines included), "id", "prompt", "text", "token_ids", "finish_reason",
 Malformed lines are reported as FILE:LINE: message and skipped; the others still run, and the
 exit status is then 1. Random sampling is reproducible: a prompt without its own "seed" uses
 seed = (--seed * 1000003 + index) mod 2**63, so a rerun or a --resume gives the same results. Ctrl-C
-aborts the requests in flight, keeps what was written and exits with status 130; rerun with
---resume to finish. Exit status: 0 all done, 1 some lines rejected, 2 usage or setup error."""
+(or SIGTERM) aborts the requests in flight, keeps what was written and exits with status 130
+(143); rerun with --resume to finish. Exit status: 0 all done, 1 some lines rejected, 2 usage or
+setup error."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -82,99 +83,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-# ---- output file ---------------------------------------------------------------------------
-
-
-def _same_prompt(record: dict[str, Any], line: PromptLine) -> bool:
-    if isinstance(line.prompt, str):
-        return record.get("prompt") == line.prompt
-    return record.get("prompt_token_ids") == line.prompt
-
-
-def load_finished(out: Path, prompts: PromptsFile) -> set[int]:
-    """Indices already in ``out``. Drops (truncates away) an unreadable last line, the trace of
-    an interrupted write; any other unreadable line, or a line whose prompt is not the prompt
-    file's at that index, is an error: appending to it would mix two runs."""
-    if not out.exists():
-        return set()
-    data = out.read_bytes()
-    by_index = {p.index: p for p in prompts.prompts}
-    done: set[int] = set()
-    offset = 0
-    lines = data.split(b"\n")
-    for n, raw in enumerate(lines, start=1):
-        end = offset + len(raw) + 1
-        if raw.strip():
-            try:
-                record = json.loads(raw)
-                index = record["index"]
-                if isinstance(index, bool) or not isinstance(index, int):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError):
-                if all(not rest.strip() for rest in lines[n:]):
-                    with out.open("r+b") as f:  # the interrupted last write
-                        f.truncate(offset)
-                    break
-                raise InvalidInputError(
-                    f"resume: {out}:{n} is not a result line written by specbatch generate; "
-                    "refusing to append to it"
-                ) from None
-            line = by_index.get(index)
-            if line is None and not any(e.index == index for e in prompts.errors):
-                raise InvalidInputError(
-                    f"resume: {out}:{n} has index {index}, but {prompts.path} has no prompt "
-                    "there; was OUT written from another prompts file?"
-                )
-            if line is not None and not _same_prompt(record, line):
-                raise InvalidInputError(
-                    f"resume: {out}:{n} holds another prompt than {prompts.where(line.line_no)} "
-                    f"(index {index}); was OUT written from another prompts file?"
-                )
-            done.add(index)
-        offset = end
-    if data and not data.endswith(b"\n") and out.stat().st_size == len(data):
-        with out.open("ab") as f:  # a complete last line without its newline
-            f.write(b"\n")
-    return done
-
-
-def _rounded(x: float | None) -> float | None:
-    return None if x is None else round(x, 6)
-
-
-def result_record(
-    line: PromptLine, out: RequestOutput, has_tokenizer: bool, speculative: bool
-) -> dict[str, Any]:
-    c, m = out.outputs[0], out.metrics
-    record: dict[str, Any] = {
-        "index": line.index,
-        "id": line.id,
-        "prompt": line.prompt if isinstance(line.prompt, str) else None,
-    }
-    if not isinstance(line.prompt, str):
-        record["prompt_token_ids"] = list(line.prompt)
-    record.update(
-        text=c.text if has_tokenizer else None,
-        token_ids=list(c.token_ids),
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-        num_prompt_tokens=m.num_prompt_tokens,
-        num_output_tokens=len(c.token_ids),
-        ttft_s=_rounded(m.time_to_first_token),
-        e2e_s=_rounded(m.e2e_latency),
-        tpot_s=_rounded(m.time_per_output_token),
-    )
-    if speculative:
-        record.update(
-            spec_rounds=m.spec_rounds,
-            draft_tokens_proposed=m.draft_tokens_proposed,
-            draft_tokens_accepted=m.draft_tokens_accepted,
-            acceptance_rate=_rounded(m.acceptance_rate),
-            mean_tokens_per_round=_rounded(m.mean_tokens_per_round),
-        )
-    return record
-
-
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -202,17 +110,15 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     for w in prompts.warnings:
         _say(f"{prompts.where(w.line_no)}: warning: {w.message}")
+    if not prompts.prompts and not prompts.errors:
+        raise InvalidInputError(f"prompts: '{args.prompts}' holds no prompts (no non-blank line)")
     out_path = Path(args.output)
     done = load_finished(out_path, prompts) if args.resume else set()
-    try:
-        sink = out_path.open("a", encoding="utf-8")  # fails early if OUT is not writable
-    except OSError as e:
-        raise InvalidInputError(f"output: cannot write '{out_path}': {e.strerror or e}") from None
-    with sink:
+    with ResultsFile(out_path) as sink:  # fails early if OUT is not writable
         engine = LLMEngine.from_engine_args(engine_args_from(args))
         try:
             if not args.resume:
-                sink.truncate(0)
+                sink.clear()
             return _generate(engine, args, prompts, base_params, done, sink)
         finally:
             engine.shutdown()
@@ -224,7 +130,7 @@ def _generate(
     prompts: PromptsFile,
     base_params: dict[str, Any],
     done: set[int],
-    sink: IO[str],
+    sink: ResultsFile,
 ) -> int:
     if prompts.format == "txt" and engine.tokenizer is None and prompts.prompts:
         raise InvalidInputError(
@@ -247,13 +153,13 @@ def _generate(
         for line_no, message in sorted(errors):
             _say(f"{prompts.where(line_no)}: {message}")
         return _drive(engine, args, pending, done, len(errors), sink)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         engine.abort_request(list(pending))
         _say(
-            f"\ninterrupted: aborted {len(pending)} unfinished request(s); finished results "
-            f"are in {args.output}; rerun with --resume to complete the rest"
+            f"\n{what_happened(e)}: aborted {len(pending)} unfinished request(s); finished "
+            f"results are in {args.output}; rerun with --resume to complete the rest"
         )
-        return 130
+        return exit_status(e)
 
 
 def _drive(
@@ -262,7 +168,7 @@ def _drive(
     pending: dict[str, PromptLine],
     done: set[int],
     num_rejected: int,
-    sink: IO[str],
+    sink: ResultsFile,
 ) -> int:
     from tqdm import tqdm
 
@@ -283,8 +189,7 @@ def _drive(
                 if not out.finished or line is None:
                     continue
                 record = result_record(line, out, has_tok, speculative)
-                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                sink.flush()
+                sink.write(record)
                 del pending[out.request_id]
                 finished += 1
                 tokens += record["num_output_tokens"]

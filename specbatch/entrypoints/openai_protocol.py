@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from specbatch.chat import check_messages
+from specbatch.errors import InvalidInputError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 
@@ -81,22 +83,29 @@ def typed_field(body: dict[str, Any], name: str, kind: str, default: Any = None)
     return v
 
 
+# Fields this server does not implement, each with the test of the values that mean "off",
+# which are accepted whatever their JSON type (0 and 0.0 alike): clients send the defaults.
+_NEUTRAL: dict[str, tuple[str, Any]] = {
+    "presence_penalty": ("0", lambda v: _is_num(v) and v == 0),
+    "frequency_penalty": ("0", lambda v: _is_num(v) and v == 0),
+    "repetition_penalty": ("1", lambda v: _is_num(v) and v == 1),
+    "best_of": ("1", lambda v: _is_num(v) and v == 1),
+    "echo": ("false", lambda v: v is False),
+    "suffix": ('""', lambda v: v == ""),
+    "logprobs": ("false or 0", lambda v: v is False or (_is_num(v) and v == 0)),
+    "top_logprobs": ("0", lambda v: _is_num(v) and v == 0),
+    "logit_bias": ("{}", lambda v: v == {}),
+}
+
+
 def _reject_unsupported(body: dict[str, Any]) -> None:
-    for name, neutral in (
-        ("presence_penalty", (0, 0.0)),
-        ("frequency_penalty", (0, 0.0)),
-        ("repetition_penalty", (1, 1.0)),
-        ("best_of", (1,)),
-        ("echo", (False,)),
-        ("suffix", ("",)),
-        ("logprobs", (False, 0)),
-        ("top_logprobs", (0,)),
-        ("logit_bias", ({},)),
-    ):
+    for name, (neutral, is_neutral) in _NEUTRAL.items():
         v = body.get(name)
-        if v is not None and not (v in neutral and type(v) is type(neutral[0])):
+        if v is not None and not is_neutral(v):
             raise bad_request(
-                f"{name} is not supported by this server (got {json.dumps(v)[:80]})", name
+                f"{name}: not supported by this server; only {neutral} (off) is accepted, "
+                f"got {json.dumps(v)[:80]}",
+                name,
             )
 
 
@@ -129,6 +138,30 @@ def sampling_params_from(
     return SamplingParams(**kwargs)
 
 
+def requested_max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> tuple[str, int] | None:
+    """The field and value of the client's own output limit (the last of ``names`` given)."""
+    given = [(n, body[n]) for n in names if _is_int(body.get(n))]
+    return given[-1] if given else None
+
+
+def check_context_room(
+    prompt_tokens: int, requested: tuple[str, int] | None, max_model_len: int
+) -> None:
+    """A client's explicit output limit must fit in the context after its prompt (a 400, as
+    OpenAI and vLLM answer); without one, generation stops at the context's end."""
+    if requested is None:
+        return
+    name, value = requested
+    room = max_model_len - prompt_tokens
+    if value > room:
+        raise bad_request(
+            f"{name}: {value} is too large: this model's maximum context length is "
+            f"{max_model_len} tokens and the prompt has {prompt_tokens}, so {name} can be at "
+            f"most {room}",
+            name,
+        )
+
+
 def field_of(message: str) -> str | None:
     m = _FIELD_RE.match(message)
     return m.group(1) if m else None
@@ -153,36 +186,11 @@ def completion_prompt(body: dict[str, Any]) -> str | list[int]:
     )
 
 
-def _chat_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise bad_request(
-                    f"{where}.content[{i}]: only text parts are supported", "messages"
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"{where}.content[{i}].text must be a string", "messages")
-            parts.append(text)
-        return "".join(parts)
-    raise bad_request(f"{where}.content must be a string or a list of text parts", "messages")
-
-
 def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request(
-            "messages must be a non-empty list of {role, content} objects", "messages"
-        )
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
-        out.append({"role": m["role"], "content": _chat_text(m.get("content"), f"messages[{i}]")})
-    return out
+    try:
+        return check_messages(body.get("messages"))
+    except InvalidInputError as e:
+        raise bad_request(str(e), "messages") from None
 
 
 # ---- responses --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specbatch.chat import render_chat
 from specbatch.config import EngineArgs
 from specbatch.engine.async_engine import (
     DEFAULT_MAX_QUEUE_LEN,
@@ -34,10 +35,12 @@ from specbatch.entrypoints.openai_protocol import (
     ApiError,
     bad_request,
     chat_messages,
+    check_context_room,
     completion_prompt,
     error_body,
     field_of,
     finish_reason_of,
+    requested_max_tokens,
     sampling_params_from,
     typed_field,
     usage_of,
@@ -97,10 +100,18 @@ class OpenAIServer:
         return body
 
     async def start(
-        self, prompt: str | list[int], params: SamplingParams, field: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        field: str,
+        requested: tuple[str, int] | None,
+        add_special_tokens: bool = True,
     ) -> RequestStream:
+        """Tokenize (off the event loop), check the room left for the output, and queue."""
         try:
-            return await self.engine.add_request(prompt, params, field=field)
+            text, ids = await self.engine.prepare(prompt, params, field, add_special_tokens)
+            check_context_room(len(ids), requested, self.engine.engine.config.max_model_len)
+            return await self.engine.add_prepared(text, ids, params)
         except InvalidInputError as e:
             raise bad_request(str(e), field_of(str(e))) from None
         except QueueFullError as e:
@@ -118,7 +129,8 @@ class OpenAIServer:
             params = sampling_params_from(body, ("max_tokens",), 16)  # OpenAI's default
         except InvalidInputError as e:
             raise bad_request(str(e), field_of(str(e))) from None
-        stream = await self.start(prompt, params, "prompt")
+        requested = requested_max_tokens(body, ("max_tokens",))
+        stream = await self.start(prompt, params, "prompt", requested)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -142,27 +154,20 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Any:
         self.check_key(request)
         body = await self.json_body(request)
-        tok = self.engine.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise bad_request(
-                f"the model '{self.model_name}' has no chat template in its tokenizer, so "
-                "/v1/chat/completions is unavailable; use /v1/completions",
-                "messages",
-            )
         messages = chat_messages(body)
         stream_flag, include_usage = self._stream_flags(body)
+        names = ("max_tokens", "max_completion_tokens")
         try:
-            params = sampling_params_from(body, ("max_tokens", "max_completion_tokens"), None)
+            params = sampling_params_from(body, names, None)
         except InvalidInputError as e:
             raise bad_request(str(e), field_of(str(e))) from None
+        tok = self.engine.engine.tokenizer
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template may raise on roles it does not know
-            raise bad_request(
-                f"messages: the chat template rejected them: {e}", "messages"
-            ) from None
-        ids = list(tok.encode(text, add_special_tokens=False))
-        stream = await self.start(ids, params, "messages")
+            text = await self.engine.run_on_tokenizer_threads(render_chat, tok, messages)
+        except InvalidInputError as e:
+            raise bad_request(str(e), "messages") from None
+        requested = requested_max_tokens(body, names)
+        stream = await self.start(text, params, "messages", requested, add_special_tokens=False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(delta: dict[str, str], finish: str | None) -> dict[str, Any]:

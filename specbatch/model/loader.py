@@ -7,9 +7,9 @@ safetensors file (``get_slice``), so no rank ever holds the whole model.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,6 +17,8 @@ from safetensors import safe_open
 
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
+from specbatch.model.checkpoint_files import check_checkpoint_files, checkpoint_files
+from specbatch.model.config_fields import check_config_fields, read_config_json
 from specbatch.model.layers.attention import AttentionBackend
 from specbatch.model.layers.rotary import compute_inv_freq
 from specbatch.model.layers.weights import get_weight_loader
@@ -42,12 +44,15 @@ def load_hf_config(path: str | Path) -> Any:
         raise InvalidInputError(
             f"model: '{path}' is not a Hugging Face checkpoint directory (no config.json)"
         )
+    raw = read_config_json(p / "config.json")
+    check_architecture(SimpleNamespace(**raw))  # first: another architecture has other fields
+    check_config_fields(raw, p / "config.json")
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(p), local_files_only=True)
-    except (ValueError, OSError, KeyError, TypeError) as e:
-        raise InvalidInputError(f"model: cannot read '{p / 'config.json'}': {e}") from e
+    except Exception as e:  # transformers raises many kinds; the user needs the file and cause
+        raise InvalidInputError(f"model: cannot read '{p / 'config.json'}': {e}") from None
 
 
 def check_config(hf_config: Any, tp: TensorParallelGroup = SINGLE) -> None:
@@ -63,31 +68,6 @@ def check_config(hf_config: Any, tp: TensorParallelGroup = SINGLE) -> None:
             raise InvalidInputError(
                 f"model: {field}={value} is not divisible by tensor_parallel_size={tp.size}"
             )
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those of the index if any, else all of them."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [p / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise InvalidInputError(
-                f"model: '{index}' lists files that are not there: {', '.join(missing)}"
-            )
-        return files
-    if (p / "model.safetensors").is_file():
-        return [p / "model.safetensors"]
-    # Mistral repositories also ship "consolidated.safetensors" with other tensor names.
-    files = [f for f in sorted(p.glob("*.safetensors")) if not f.name.startswith("consolidated")]
-    if not files:
-        raise InvalidInputError(
-            f"model: no *.safetensors weights in '{path}' (only safetensors checkpoints are "
-            "supported; convert .bin/.pt weights with transformers' save_pretrained)"
-        )
-    return files
 
 
 def _map_name(model: LlamaForCausalLM, hf_name: str) -> tuple[str, object]:
@@ -117,13 +97,21 @@ def _expected(model: LlamaForCausalLM) -> set[tuple[str, object]]:
     return expected
 
 
+def _open(file: Path) -> Any:
+    """``safe_open`` with its errors (a file damaged past what the header check sees) named."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError: the user needs the file and the cause
+        raise InvalidInputError(f"model: cannot read '{file}': {e}") from None
+
+
 def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     """Fill every parameter from the files; raise naming any weight the checkpoint lacks."""
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open(file) as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -167,6 +155,7 @@ def load_model(
     hf_config = load_hf_config(path)
     check_config(hf_config, tp)
     files = checkpoint_files(path)
+    check_checkpoint_files(files)
     model = LlamaForCausalLM(hf_config, dtype, device, tp, attention_backend)
     load_weights(model, files)
     if use_cpu_kernels and torch.device(device).type == "cpu":

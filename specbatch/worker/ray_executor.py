@@ -28,6 +28,7 @@ from specbatch.distributed.init import (
     rendezvous_host,
     serve_store,
 )
+from specbatch.distributed.ray_connect import check_ray_address, keep_sigterm_handler
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.worker.executor import num_kv_blocks_from_budget
@@ -118,24 +119,33 @@ class RayExecutor:
             return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         address = self.config.ray_address
+        if address:
+            check_ray_address(address)  # ray.init would retry for minutes
         try:
-            if address:
-                ray.init(address=address, logging_level=logging.WARNING)
-            else:
-                # A private instance on this machine, advertised on loopback (an offline
-                # machine's reported IP may not be reachable). Ray's authentication default
-                # and RAY_AUTH_MODE are left as they are.
-                ray.init(
-                    include_dashboard=False,
-                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                    logging_level=logging.WARNING,
-                    _node_ip_address="127.0.0.1",
-                )
+            with keep_sigterm_handler():  # ray.init installs its own
+                self._init_ray(address)
         except (ConnectionError, RuntimeError, ValueError) as e:
             where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
             hint = " (is `ray start --head` running there?)" if address else ""
             raise EngineError(f"could not connect to {where}{hint}: {e}") from e
         self._owns_ray = True
+
+    @staticmethod
+    def _init_ray(address: str | None) -> None:
+        import ray
+
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            # A private instance on this machine, advertised on loopback (an offline
+            # machine's reported IP may not be reachable). Ray's authentication default
+            # and RAY_AUTH_MODE are left as they are.
+            ray.init(
+                include_dashboard=False,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                logging_level=logging.WARNING,
+                _node_ip_address="127.0.0.1",
+            )
 
     def _place(self) -> None:
         import ray

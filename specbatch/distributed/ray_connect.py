@@ -1,0 +1,71 @@
+"""Connecting to Ray: the address checked before ``ray.init`` gets it, and the process's own
+SIGTERM handler kept.
+
+``ray.init(address="HOST:PORT")`` with nothing listening there retries for many minutes, printing
+only its own warnings. A TCP connection to the address answers in milliseconds (refused) or
+within ``timeout_s`` (unreachable), so the engine fails fast with a message naming the address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+from specbatch.errors import InvalidInputError
+
+CONNECT_TIMEOUT_S = 10.0
+_RESOLVED_BY_RAY = ("auto", "local")  # Ray finds these itself, and fails fast when it cannot
+
+
+def host_and_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``HOST:PORT`` or ``ray://HOST:PORT``; None for ``auto``/``local``."""
+    if address in _RESOLVED_BY_RAY:
+        return None
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInputError(
+            f"ray_address: expected HOST:PORT (as `ray start --head` prints it), "
+            f"ray://HOST:PORT or auto, got {address!r}"
+        )
+    return host, int(port)
+
+
+def check_ray_address(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ``InvalidInputError`` naming ``address`` unless something accepts a connection
+    there."""
+    target = host_and_port(address)
+    if target is None:
+        return
+    host, port = target
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except TimeoutError:
+        reason = f"no answer within {timeout_s:g} s"
+    except OSError as e:
+        reason = e.strerror or str(e)
+    else:
+        return
+    raise InvalidInputError(
+        f"ray_address: no Ray cluster answers at {address} ({reason}); start one there with "
+        f"`ray start --head --port={port}`, or pass auto to join this node's cluster"
+    )
+
+
+@contextlib.contextmanager
+def keep_sigterm_handler() -> Iterator[None]:
+    """Restore the SIGTERM handler that ``ray.init`` replaces with its own (``sys.exit``), so
+    that the command line's handler still stops a run the way Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
