@@ -369,7 +369,7 @@ def eagle_head_config(
     from specbatch.model.loader import load_hf_config
 
     try:
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, architecture=False)
     except InvalidInputError as e:
         raise InvalidInputError(f"speculative_config.{e!s}") from None
     layout = detect_layout(path)

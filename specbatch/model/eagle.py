@@ -270,7 +270,7 @@ def load_eagle_head(
     from specbatch.model.loader import load_hf_config
 
     path = Path(path)
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, architecture=False)
     layout = detect_layout(path)
     shapes = _tensor_shapes(path)
     if int(hf_config.hidden_size) != shapes["fc.weight"][0]:

@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".inv_freq")
 
 
-def load_hf_config(path: str | Path) -> Any:
-    """Check that ``path`` is a checkpoint directory and return its transformers config."""
+def load_hf_config(path: str | Path, architecture: bool = True) -> Any:
+    """Check that ``path`` is a checkpoint directory and return its transformers config
+    (``architecture=False``: a draft head's, whose architecture is not a causal LM's)."""
     p = Path(path)
     if not p.exists():
         raise InvalidInputError(f"model: path '{path}' does not exist")
@@ -45,7 +46,8 @@ def load_hf_config(path: str | Path) -> Any:
             f"model: '{path}' is not a Hugging Face checkpoint directory (no config.json)"
         )
     raw = read_config_json(p / "config.json")
-    check_architecture(SimpleNamespace(**raw))  # first: another architecture has other fields
+    if architecture:  # first: another architecture has other fields
+        check_architecture(SimpleNamespace(**raw))
     check_config_fields(raw, p / "config.json")
     from transformers import AutoConfig
 
