@@ -23,7 +23,7 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
-from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy, StepShape
+from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 
 
@@ -53,7 +53,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_worker: set[str] = set()
         self._forget: list[str] = []
-        self._lazy_draft = False  # the policy's lazy_draft, read at the start of each step
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -92,7 +91,6 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
-        self._lazy_draft = self.policy.lazy_draft  # read once: the policy's choice may change it
         chosen: list[tuple[Request, int]] = []
         preempted = self._schedule_running(chosen, budget)
         budget -= sum(n for _, n in chosen)
@@ -112,12 +110,10 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            # The draft catches up on its unseen tokens in the steps where it proposes, and on
-            # prompt chunks unless the policy is lazy; a decoding request that drafts nothing
-            # this step lets it lag, so a gamma of 0 costs no draft work at all.
-            catch_up = self.speculative and (
-                rid in gammas or (self._prompt_chunk(req, n) and not self._lazy_draft)
-            )
+            # The draft reads prompt chunks with the target, and catches up on a decoding
+            # request's unseen tokens in the steps where it proposes for it: a decoding request
+            # that drafts nothing this step lets it lag, at no draft work.
+            catch_up = self.speculative and (rid in gammas or self._prompt_chunk(req, n))
             draft_tokens = req.token_slice(req.num_draft_computed, end) if catch_up else []
             out.requests.append(
                 ScheduledRequest(
@@ -163,19 +159,8 @@ class Scheduler:
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
         if not decoding:
             return {}
-        shape = StepShape(
-            num_seqs=len(chosen),
-            target_tokens=sum(n for _, n in chosen),
-            catchup_tokens=0
-            if self._lazy_draft
-            else sum(  # the prompt chunks'; decoding requests' lags come with them
-                r.num_computed + n - r.num_draft_computed
-                for r, n in chosen
-                if self._prompt_chunk(r, n)
-            ),
-        )
         gammas: dict[str, int] = {}
-        for req, want in zip(decoding, self.policy.draft_lengths(decoding, shape)):
+        for req, want in zip(decoding, self.policy.draft_lengths(decoding)):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
             gamma = max(0, min(want, room_len, room_out, budget))

@@ -26,7 +26,6 @@ from specbatch.scheduler.output import (
     StepResult,
 )
 from specbatch.worker.model_runner import ModelRunner, build_inputs
-from specbatch.worker.pass_profile import profile_passes
 from specbatch.worker.rejection_sampler import rejection_sample
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
@@ -67,7 +66,6 @@ class Worker:
                 config.draft, self.device, draft_tp, config.attention_backend, config.block_size
             )
         self._states: dict[str, _RequestState] = {}
-        self.sync_phases = False  # wait for the device between a step's phases (profiling)
 
     # ---- set-up ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -91,17 +89,6 @@ class Worker:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks, self.config.block_size)
 
-    @torch.inference_mode()
-    def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
-    ) -> dict[str, list[float] | list[list[float]]]:
-        """The forwards of a step, timed through ``execute`` (pass_profile.py)."""
-        return profile_passes(self, seq_counts, context_len, depths, draft_counts)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -121,12 +108,8 @@ class Worker:
         uniforms = self._draw_uniforms(sampling, gammas, g_max)
         t0 = time.perf_counter()
         drafts, q = self._propose(reqs, sampling, gammas, g_max, params, uniforms[:, :g_max])
-        if self.sync_phases:
-            self._sync()
         t1 = time.perf_counter()
         p = self._verify(reqs, sampling, drafts, gammas, g_max, params)
-        if self.sync_phases:
-            self._sync()
         t2 = time.perf_counter()
         if not sampling:
             return StepResult(timings={"draft": t1 - t0, "target": t2 - t1, "sample": 0.0})
