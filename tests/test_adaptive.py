@@ -195,9 +195,13 @@ def test_probes_a_plan_beside_the_choice():
     probes = {i: g for i, g in enumerate(steps) if g != 2}
     assert sorted(probes) == [PROBE_EVERY * k - 1 for k in range(1, 5)]
     assert set(probes.values()) == {1, 3}  # one deeper, one shallower, in turn
-    pol = AdaptiveDraftLength(4)  # no drafts: two steps at depth 1 (the first catches up)
+    # no drafts: the draft lags every request, so no probe of a depth measured at this bucket
+    pol = AdaptiveDraftLength(4)
     price(pol, 2, [10.0, 30.0, 40.0, 50.0, 60.0])
-    steps = [g[0] for g in choices(pol, reqs, 2 * PROBE_EVERY - 1)]
+    assert not any(g[0] for g in choices(pol, reqs, 4 * PROBE_EVERY))
+    # at a bucket whose prices are borrowed: two steps at depth 1 (the first catches up)
+    four = [make_request(str(i)) for i in range(4)]
+    steps = [g[0] for g in choices(pol, four, 2 * PROBE_EVERY - 1)]
     assert [i for i, g in enumerate(steps) if g] == [PROBE_EVERY - 1, PROBE_EVERY]
 
 

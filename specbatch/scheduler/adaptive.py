@@ -89,7 +89,10 @@ class AdaptiveDraftLength:
         else:
             m, g = self._best([alphas[i] for i in order], caps, counts, room)
             turn, phase = divmod(seen + 1, PROBE_EVERY)
-            if turn and (phase == 0 or (phase == 1 and g == 0)):  # from 0 the first catches up
+            # no drafts: the draft lags every request, so only a depth never measured here
+            # (a borrowed price) is probed, twice (the first step catches up)
+            beside = g > 0 or not self.times.measured(n, 1)
+            if beside and turn and (phase == 0 or (phase == 1 and g == 0)):
                 m, g = self._beside(m, g, counts, turn)
         while g and not _fits(room, m, g):
             g -= 1

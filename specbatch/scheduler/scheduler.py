@@ -53,6 +53,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_worker: set[str] = set()
         self._forget: list[str] = []
+        self._draft_idle = False  # the last policy call wanted no drafts at all
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -110,10 +111,11 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            # The draft reads prompt chunks with the target, and catches up on a decoding
-            # request's unseen tokens in the steps where it proposes for it: a decoding request
-            # that drafts nothing this step lets it lag, at no draft work.
-            catch_up = self.speculative and (rid in gammas or self._prompt_chunk(req, n))
+            # The draft catches up on a request's unseen tokens in the steps where it proposes
+            # for it, and reads prompt chunks with the target unless the policy last wanted no
+            # drafts at all: a request that drafts nothing lets it lag, at no draft work.
+            chunk = self._prompt_chunk(req, n) and not self._draft_idle
+            catch_up = self.speculative and (rid in gammas or chunk)
             draft_tokens = req.token_slice(req.num_draft_computed, end) if catch_up else []
             out.requests.append(
                 ScheduledRequest(
@@ -160,7 +162,9 @@ class Scheduler:
         if not decoding:
             return {}
         gammas: dict[str, int] = {}
-        for req, want in zip(decoding, self.policy.draft_lengths(decoding)):
+        wants = self.policy.draft_lengths(decoding)
+        self._draft_idle = not any(wants)
+        for req, want in zip(decoding, wants):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
             gamma = max(0, min(want, room_len, room_out, budget))

@@ -45,6 +45,11 @@ class StepTimes:
         cell = self._offsets.get((b, g))
         return None if cell is None else math.exp(self._level[b] + cell[0])
 
+    def measured(self, n: int, g: int) -> int:
+        """Steps measured at ``n``'s bucket with every request drafting up to ``g``."""
+        cell = self._offsets.get((bucket(n), g))
+        return 0 if cell is None else cell[1]
+
     def price(self, n: int, m: int, g: int) -> float | None:
         """Seconds for a step of ``n`` requests where ``m`` draft up to ``g``; None: unknown.
         Fewer drafting requests than the bucket holds: the step without drafts plus what
