@@ -187,22 +187,69 @@ def test_favours_the_high_alpha_requests_in_a_mixed_batch():
     assert all(g > 0 for g in gammas[1::2]) and not any(gammas[0::2])
 
 
+def drive(
+    pol: AdaptiveDraftLength,
+    requests: list[Request],
+    seconds: list[float],
+    steps: int,
+    unmeasured: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[int]:
+    """Plan and observe ``steps`` steps taking ``seconds[g]`` at depth ``g``; the steps whose
+    index is in ``unmeasured`` carry a prompt chunk. A request that did not draft in the step
+    before makes its draft catch up on 5 tokens. Returns the deepest draft of each step."""
+    depths, drafted = [], {r.request_id for r in requests}
+    for i in range(steps):
+        gammas = pol.draft_lengths(requests)
+        plan = SchedulerOutput(
+            requests=[
+                ScheduledRequest(
+                    r.request_id,
+                    [1],
+                    8,
+                    [1] * (1 if r.request_id in drafted else 5) if g else [],
+                    8,
+                    g,
+                    True,
+                    [0],
+                )
+                for r, g in zip(requests, gammas)
+            ]
+        )
+        if i in unmeasured:
+            plan.requests.append(ScheduledRequest("new", [1] * 8, 0, [], 0, 0, True, [0]))
+        drafted = {sr.request_id for sr in plan.requests if sr.num_draft}
+        result = StepResult({sr.request_id: RequestStepResult([1], 0) for sr in plan.requests})
+        pol.observe(plan, result, seconds[max(gammas)])
+        pol.tested.clear()  # acceptance stays at the prior: only the prices matter here
+        depths.append(max(gammas))
+    return depths
+
+
 def test_probes_a_plan_beside_the_choice():
     pol = AdaptiveDraftLength(4)
-    price(pol, 2, [10.0, 13.0, 14.0, 18.0, 25.0])  # alpha 0.6: depth 2 is the best
+    times = [10.0, 13.0, 14.0, 18.0, 25.0]  # alpha 0.6: depth 2 is the best
+    price(pol, 2, times)
     reqs = [make_request("a"), make_request("b")]
-    steps = [g[0] for g in choices(pol, reqs, 4 * PROBE_EVERY)]
+    steps = drive(pol, reqs, times, 4 * PROBE_EVERY)
     probes = {i: g for i, g in enumerate(steps) if g != 2}
     assert sorted(probes) == [PROBE_EVERY * k - 1 for k in range(1, 5)]
     assert set(probes.values()) == {1, 3}  # one deeper, one shallower, in turn
-    # no drafts: the draft lags every request, so no probe of a depth measured at this bucket
+    # a probe whose step measured nothing runs again, once
+    steps = drive(pol, reqs, times, 2 * PROBE_EVERY - 1, unmeasured={PROBE_EVERY - 1, PROBE_EVERY})
+    assert [i for i, g in enumerate(steps) if g != 2] == [PROBE_EVERY - 1, PROBE_EVERY]
+
+
+def test_probes_from_no_drafts_only_a_borrowed_price():
     pol = AdaptiveDraftLength(4)
-    price(pol, 2, [10.0, 30.0, 40.0, 50.0, 60.0])
-    assert not any(g[0] for g in choices(pol, reqs, 4 * PROBE_EVERY))
-    # at a bucket whose prices are borrowed: two steps at depth 1 (the first catches up)
+    times = [10.0, 30.0, 40.0, 50.0, 60.0]  # drafts do not pay
+    price(pol, 2, times)
+    reqs = [make_request("a"), make_request("b")]
+    assert not any(drive(pol, reqs, times, 4 * PROBE_EVERY))  # the draft lags both: no probe
+    # at a new bucket, prices borrowed: depth 1 once the draft caught up (the second step)
     four = [make_request(str(i)) for i in range(4)]
-    steps = [g[0] for g in choices(pol, four, 2 * PROBE_EVERY - 1)]
+    steps = drive(pol, four, times, 4 * PROBE_EVERY)
     assert [i for i, g in enumerate(steps) if g] == [PROBE_EVERY - 1, PROBE_EVERY]
+    assert pol.times.measured(4, 1) == 1
 
 
 def test_never_plans_past_the_free_kv_blocks():

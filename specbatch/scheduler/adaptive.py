@@ -51,6 +51,8 @@ class AdaptiveDraftLength:
         self.tested: dict[SamplingClass, list[int]] = {}  # class -> [accepted, tested] drafts
         self._classes: dict[str, SamplingClass] = {}  # the requests of the last plan
         self._steps: Counter[int] = Counter()  # planned steps per batch bucket
+        self._probed = False  # the last plan was a probe due by the schedule
+        self._retry = False  # ... and its step measured nothing
 
     def rates(self, requests: list[Request]) -> tuple[list[float], list[float]]:
         """Each request's alpha, and its class's rate: the class's accepted / tested drafts,
@@ -74,6 +76,7 @@ class AdaptiveDraftLength:
         self.times.tick(n)
         seen = self._steps[bucket(n)]
         self._steps[bucket(n)] += 1
+        retry, self._retry = self._retry, False
         self._classes = {r.request_id: sampling_class(r) for r in requests}
         alphas, rates = self.rates(requests)
         order = sorted(range(n), key=lambda i: -rates[i])
@@ -88,12 +91,14 @@ class AdaptiveDraftLength:
             m, g = n, unpriced[0]
         else:
             m, g = self._best([alphas[i] for i in order], caps, counts, room)
+            # a probe that measured nothing (a prompt chunk came with it, or the draft caught
+            # up) runs again once; from no drafts, where the draft lags every request, only a
+            # depth whose price here is borrowed is probed
             turn, phase = divmod(seen + 1, PROBE_EVERY)
-            # no drafts: the draft lags every request, so only a depth never measured here
-            # (a borrowed price) is probed, twice (the first step catches up)
-            beside = g > 0 or not self.times.measured(n, 1)
-            if beside and turn and (phase == 0 or (phase == 1 and g == 0)):
+            due = turn > 0 and phase == 0
+            if (due or retry) and (g > 0 or not self.times.measured(n, 1)):
                 m, g = self._beside(m, g, counts, turn)
+                self._probed = due
         while g and not _fits(room, m, g):
             g -= 1
         gammas = [0] * n
@@ -116,12 +121,9 @@ class AdaptiveDraftLength:
         for m in counts:
             for g in range(1, top + 1):
                 t = self.times.price(n, m, g)
-                if (
-                    t is not None
-                    and _fits(room, m, g)
-                    and (tokens[g][m - 1] + n - m) / t > best_rate
-                ):
-                    best, best_rate = (m, g), (tokens[g][m - 1] + n - m) / t
+                rate = (tokens[g][m - 1] + n - m) / t if t and _fits(room, m, g) else 0.0
+                if rate > best_rate:
+                    best, best_rate = (m, g), rate
         return best
 
     def _beside(self, m: int, g: int, counts: list[int], turn: int) -> tuple[int, int]:
@@ -173,8 +175,10 @@ class AdaptiveDraftLength:
             catch_up += len(sr.draft_token_ids)
             deepest = max(deepest, sr.num_draft)
         # a draft one step behind reads 1-2 tokens, one more after a step without drafts
-        if plan.requests and decoding and catch_up <= 3 * drafting:
+        measured = bool(plan.requests) and decoding and catch_up <= 3 * drafting
+        if measured:
             self.times.observe(len(plan.requests), drafting, deepest, seconds)
+        self._retry, self._probed = self._probed and not measured, False
 
 
 def _fits(room: list[list[int]] | None, m: int, g: int) -> bool:
