@@ -16,17 +16,9 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
-    RESULTS_DIR,
-    WrappedPolicy,
-    builtin_engine,
-    format_table,
-    machine_info,
-    write_json,
-)
+from common import RESULTS_DIR, builtin_engine, format_table, machine_info, write_json
 
 from specbatch.bench.cell_run import run_cell
 from specbatch.bench.workload import build_workload
@@ -37,15 +29,14 @@ from specbatch.scheduler.speculation import FixedDraftLength
 PROMPT_LEN = 64
 
 
-class RoundLog(WrappedPolicy):
-    """Wraps a policy: files every round as (output position, drafts, drafts accepted)."""
+class RoundLog(FixedDraftLength):
+    """A fixed draft length that files every round as (output position, drafts, accepted)."""
 
-    def __init__(self, policy: Any) -> None:
-        super().__init__(policy)
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
         self.rounds: list[tuple[int, int, int]] = []
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
-        self.learn(plan, result, seconds)
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
             if r is not None and sr.num_draft:
@@ -67,7 +58,7 @@ def main() -> None:
     args = p.parse_args()
     k, b = args.draft_length, args.batch_size
     engine = builtin_engine(k, PROMPT_LEN, args.output_len, max_num_seqs=b)
-    log = RoundLog(FixedDraftLength(k))
+    log = RoundLog(k)
     engine.scheduler.policy = log
     workload = build_workload(
         engine, input_len=PROMPT_LEN, output_len=args.output_len, num_prompts=args.num_requests

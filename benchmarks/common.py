@@ -245,28 +245,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
-# ---- policies ------------------------------------------------------------------------------
-class WrappedPolicy:
-    """A speculation policy passed through unchanged, for a benchmark to watch its steps:
-    subclasses override ``observe`` and call ``learn`` to let the wrapped policy learn."""
-
-    def __init__(self, policy: Any) -> None:
-        self.policy = policy
-        self.max_draft_length = policy.max_draft_length
-
-    @property
-    def lazy_draft(self) -> bool:
-        return self.policy.lazy_draft
-
-    def draft_lengths(self, requests: list[Any], shape: Any = None) -> list[int]:
-        return self.policy.draft_lengths(requests, shape)
-
-    def learn(self, plan: Any, result: Any, seconds: float) -> None:
-        observe = getattr(self.policy, "observe", None)
-        if observe is not None:
-            observe(plan, result, seconds)
-
-
 def builtin_engine(draft_length: int, prompt_len: int, output_len: int, max_num_seqs: int) -> Any:
     """An engine on the built-in pair speculating up to ``draft_length`` tokens, with room in a
     sequence for ``prompt_len + output_len`` tokens and the drafts."""

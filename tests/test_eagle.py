@@ -175,7 +175,7 @@ def test_bad_heads_are_named(make_checkpoint, tmp_path) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def eagle_llm(target, head, method: str = "eagle", k: int = 3, **kw) -> LLM:
+def eagle_llm(target, head, method: str = "eagle", k: int | str = 3, **kw) -> LLM:
     args = dict(block_size=4, num_kv_blocks=512, max_model_len=128, max_num_seqs=256)
     args.update(kw)
     config = {"method": method, "model": str(head), "num_speculative_tokens": k}
@@ -238,3 +238,10 @@ def test_joint_of_first_three_tokens_is_the_targets(make_checkpoint, tmp_path) -
     keys = sorted(set(exact) | set(samples))
     res = chi_square_gof([samples.get(k, 0) for k in keys], [exact.get(k, 0.0) for k in keys])
     assert res.p_value >= ALPHA, f"chi-square {res.statistic:.1f} on {res.dof} dof"
+
+
+def test_auto_with_the_trained_head_equals_transformers(trained) -> None:
+    target, head = trained
+    llm = eagle_llm(target, head, k="auto")
+    assert greedy_ids(llm, PROMPTS) == hf_greedy(target, PROMPTS, 24)
+    assert llm.engine.metrics.spec.proposed > 0

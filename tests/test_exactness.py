@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
+from specbatch.scheduler.speculation import FixedDraftLength
 from specbatch.stats import chi_square_gof, power
 from specbatch.worker import rejection_sampler
 from specbatch.worker.sampler import sample
@@ -109,14 +110,14 @@ def test_joint_of_first_three_tokens_is_the_targets(pair, gamma, temperature, to
     assert_matches(samples, exact_joint(pair[0], PROMPT, 3, temperature, top_p))
 
 
-class PerRequestGamma:
+class PerRequestGamma(FixedDraftLength):
     """A policy giving each request its own draft length (by request id), as an adaptive
     policy would: the batch mixes gammas 0, 2 and 5 in the same steps."""
 
-    max_draft_length = 5
-    lazy_draft = True  # the gamma-0 requests' drafts never see their prompts
+    def __init__(self) -> None:
+        super().__init__(5)
 
-    def draft_lengths(self, requests, shape=None):
+    def draft_lengths(self, requests):
         return [(0, 2, 5)[int(r.request_id) % 3] for r in requests]
 
 
@@ -131,6 +132,24 @@ def test_mixed_batch_of_temperatures_and_draft_lengths(pair):
     samples = sample_sequences(llm, params)
     for t_index, temperature in enumerate(temps):
         group = [s for i, s in enumerate(samples) if i % 2 == t_index]
+        assert_matches(group, exact_joint(pair[0], PROMPT, 3, temperature))
+
+
+@pytest.mark.parametrize("temps", [(1.0,), (1.0, 0.7)])
+def test_joint_of_first_three_tokens_is_the_targets_with_auto(pair, temps):
+    """``auto`` picks each step's draft lengths from earlier rounds: sweeps, probes and (with
+    two sampling classes) plans where one class drafts and the other not."""
+    llm = engine(pair, "auto", seed=21, max_draft_length=4)
+    params = [
+        SamplingParams(temperature=temps[i % len(temps)], max_tokens=8, ignore_eos=True)
+        for i in range(len(temps) * N)
+    ]
+    samples = sample_sequences(llm, params)
+    counts = llm.engine.metrics.draft_length_counts
+    assert llm.engine.metrics.spec.proposed > 0
+    assert len(counts) >= 3  # several gammas were granted, 0 included
+    for t_index, temperature in enumerate(temps):
+        group = [s for i, s in enumerate(samples) if i % len(temps) == t_index]
         assert_matches(group, exact_joint(pair[0], PROMPT, 3, temperature))
 
 

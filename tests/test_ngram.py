@@ -232,3 +232,19 @@ def test_cli_takes_speculative_config(target, tmp_path) -> None:
     )
     assert bad.returncode == 2 and "speculative_config.method" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_auto_with_ngram_equals_transformers_greedy(make_checkpoint) -> None:
+    path = make_checkpoint("llama", seed=2)
+    prompts = [REPEATS, [9, 10, 11, 9, 10], [20, 21, 22, 23]]
+    llm = LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
+              "prompt_lookup_min": 1}, max_num_seqs=8, num_kv_blocks=256, block_size=4,
+              max_model_len=128)  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 30)
+    assert llm.engine.metrics.spec.proposed > 0
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks

@@ -191,15 +191,12 @@ def test_seeded_sampling_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), SEEDED) == token_ids(engines(name, 1), SEEDED)
 
 
-def test_auto_profiles_through_the_ranks_and_decodes_as_tp1(engines) -> None:
+def test_auto_decodes_as_tp1(engines) -> None:
     llm = engines("auto", 2)
-    policy = llm.engine.scheduler.policy
-    assert isinstance(policy, AdaptiveDraftLength)
-    # the start-up profile ran on both ranks together (their collectives pair up) and came back
-    assert all(row.y.min() > 0 for row in policy.cost.target.rows)
-    assert policy.cost.draft.y.min() > 0
+    assert isinstance(llm.engine.scheduler.policy, AdaptiveDraftLength)
     assert token_ids(llm, GREEDY) == token_ids(engines("plain", 1), GREEDY)
-    assert sum(policy.draft_length_counts.values()) > 0
+    counts = llm.engine.metrics.draft_length_counts
+    assert sum(n for g, n in counts.items() if g > 0) > 0  # it drafted
 
 
 def test_one_ray_round_per_step_and_timings(engines) -> None:

@@ -169,6 +169,34 @@ def test_rollback_moves_counters_and_truncates_the_table():
     assert plan.requests[0].draft_token_ids == [5, 6]
 
 
+def test_the_draft_skips_prompts_while_the_policy_wants_no_drafts():
+    """Prompt chunks go through the draft as through the target, except after a step in which
+    the policy wanted no drafts at all: then the draft catches up on a request when it drafts."""
+    sched, _ = make_scheduler(num_blocks=64, block_size=4, k=2)
+    sched.add_request(request("a", prompt_len=5, max_tokens=30))
+    plan = sched.schedule()
+    assert plan.requests[0].draft_token_ids == [1, 2, 3, 4, 5]  # a prefill: the draft reads it
+    sched.update(plan, StepResult({"a": RequestStepResult([100], 0, 0)}))
+    sched.policy = FixedDraftLength(0)
+    plan = sched.schedule()  # a decodes, drafting nothing
+    sched.update(plan, StepResult({"a": RequestStepResult([101], 0, 0)}))
+    sched.add_request(request("b", prompt_len=3, max_tokens=30))
+    plan = sched.schedule()
+    by_id = {r.request_id: r for r in plan.requests}
+    assert by_id["a"].draft_token_ids == [] and by_id["b"].draft_token_ids == []
+    sched.update(plan, StepResult({r: RequestStepResult([7], 0, 0) for r in "ab"}))
+    sched.policy = FixedDraftLength(2)
+    plan = sched.schedule()  # both draft: the draft catches up on all it has not seen
+    by_id = {r.request_id: r for r in plan.requests}
+    assert by_id["a"].draft_token_ids == [100, 101, 7] and by_id["b"].draft_token_ids == [
+        1,
+        2,
+        3,
+        7,
+    ]
+    assert by_id["a"].num_draft == by_id["b"].num_draft == 2
+
+
 def test_draft_length_shrinks_before_any_preemption():
     for num_blocks, gamma_b in ((6, 0), (7, 4)):
         sched, kv = make_scheduler(num_blocks=num_blocks, block_size=4, max_len=24, k=8)

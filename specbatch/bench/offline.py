@@ -264,7 +264,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     source = ""
     # One engine per draft length, all up for the whole run, so that the cells of a round can
     # run side by side. The auto row's policy lives as long as its engine, as in a server: it
-    # calibrates in its first cell's warm-up and keeps learning from every later auto cell.
+    # learns in its first cells and keeps learning from every later auto cell.
     engines: dict[int, LLMEngine] = {}
     try:
         for k in lengths:
@@ -343,14 +343,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         workload_source=source,
         cells=cells,
         summary=crossover(cells)
-        | (
-            {
-                "auto_profile_s": engines[AUTO].scheduler.policy.profile_seconds,
-                "auto_vs_fixed": auto_vs_fixed(cells),
-            }
-            if AUTO in engines
-            else {}
-        ),
+        | ({"auto_vs_fixed": auto_vs_fixed(cells)} if AUTO in engines else {}),
         machine=machine_facts(),
         wall_s=time.perf_counter() - t0,
     )

@@ -108,9 +108,6 @@ def format_report(result: BenchResult) -> str:
             "per draft length, speculation lowers throughput from batch size: "
             + ", ".join(f"k={k}: {'-' if b is None else b}" for k, b in per_k.items())
         )
-    profiled = result.summary.get("auto_profile_s")
-    if profiled is not None:
-        lines.append(f"auto: start-up profile of the passes {profiled:.1f} s")
     lines += format_auto_vs_fixed(result.summary.get("auto_vs_fixed", {}))
     lines.append(f"wall time {result.wall_s:.1f} s")
     return "\n".join(lines)

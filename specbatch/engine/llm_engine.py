@@ -14,15 +14,21 @@ from specbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
-from specbatch.scheduler.pass_times import profile_token_counts
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
-from specbatch.scheduler.step_cost import StepCostModel
 from specbatch.stop_checker import StopChecker
 from specbatch.tokenizer import encode_text, eos_token_ids, load_tokenizer, max_token_chars
-from specbatch.worker.executor import create_executor
+from specbatch.worker.executor import Executor, UniprocExecutor
 
 PromptInput = str | dict[str, Any] | list[int]
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    if config.distributed_executor_backend == "ray":
+        from specbatch.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    return UniprocExecutor(config)
 
 
 class LLMEngine:
@@ -48,7 +54,10 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.tokenizer)
         policy: SpeculationPolicy = FixedDraftLength(config.num_speculative_tokens)
         if config.adaptive_speculation:
-            policy = self.adaptive_policy(config.num_speculative_tokens)
+            k = config.num_speculative_tokens
+            policy = AdaptiveDraftLength(
+                k, self.kv_cache, k + 1 if config.spec_method == "eagle" else 3
+            )
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -193,9 +202,7 @@ class LLMEngine:
         result = self.executor.execute(plan)
         touched = self.scheduler.update(plan, result)
         seconds = time.perf_counter() - start
-        observe = getattr(self.scheduler.policy, "observe", None)
-        if observe is not None:  # an adaptive policy learns from the step it planned
-            observe(plan, result, seconds)
+        self.scheduler.policy.observe(plan, result, seconds)
         self.metrics.on_step(plan, result, seconds)
         return [self._output(req) for req in touched]
 
@@ -216,31 +223,6 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics.of(req),
         )
-
-    def adaptive_policy(self, max_draft_length: int) -> AdaptiveDraftLength:
-        """A fresh ``auto`` policy whose cost model starts from the passes of both models,
-        profiled now on the workers. Only while no request holds KV blocks (the dummy passes
-        write into the first ones)."""
-        if self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
-            raise EngineError("adaptive_policy: profile the passes before any request runs")
-        cfg = self.config
-        # batches up to max_num_seqs, or 64 (past that a forward's time grows linearly and the
-        # tables continue their last slope), at depths 0, 1, 2, half the maximum and the maximum
-        seq_counts = profile_token_counts(min(cfg.max_num_seqs, 64))
-        # the draft's passes to 64 tokens whatever the batch: its first pass of a step also
-        # catches up on the tokens it has not seen (a whole prompt, when a request starts)
-        draft_counts = profile_token_counts(64)
-        k = max_draft_length
-        depths = sorted({0, 1, min(2, k), max(1, k // 2), k})
-        # dummy sequences at half the context length (at most 256), inside the pool
-        room = self.kv_cache.num_blocks * cfg.block_size - k - 2
-        context = max(0, min(cfg.max_model_len // 2, 256, room))
-        start = time.perf_counter()
-        profile = self.executor.profile_passes(seq_counts, context, depths, draft_counts)
-        cost = StepCostModel.from_profile(seq_counts, depths, draft_counts, profile)
-        policy = AdaptiveDraftLength(max_draft_length, cost, self.kv_cache)
-        policy.profile_seconds = time.perf_counter() - start
-        return policy
 
     # ---- introspection ---------------------------------------------------------------------
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from specbatch.request import SpecStats
@@ -18,6 +19,7 @@ class EngineMetrics:
     draft_time_total: float = 0.0
     target_time_total: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)
+    draft_length_counts: Counter[int] = field(default_factory=Counter)  # per decoding request
 
     def on_step(self, plan: SchedulerOutput, result: StepResult, step_time: float) -> None:
         self.num_steps += 1
@@ -31,6 +33,7 @@ class EngineMetrics:
             if r is not None:
                 self.num_generated_tokens += len(r.token_ids)
                 self.spec.record(r.num_proposed, r.num_accepted)
+                self.draft_length_counts[sr.num_draft] += 1
 
     def summary(self) -> dict[str, float | int | list[float] | None]:
         s = self.spec

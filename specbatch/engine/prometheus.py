@@ -169,8 +169,8 @@ class ServerMetrics:
             "Per-tested-draft acceptance probability: accepted / (accepted + rejections).",
             float("nan") if alpha is None else alpha,
         )
-        counts = getattr(sched.policy, "draft_length_counts", None)
-        if counts is not None:  # an adaptive policy: the draft lengths it granted, 0 included
+        if engine.config.adaptive_speculation:  # the draft lengths granted, 0 included
+            counts = m.draft_length_counts
             name = f"{PREFIX}_spec_decode_draft_length"
             lines.append(
                 f"# HELP {name} Draft length granted to a decoding request per step "

@@ -23,7 +23,7 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
-from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy, StepShape
+from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 
 
@@ -71,7 +71,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_worker: set[str] = set()
         self._forget: list[str] = []
-        self._lazy_draft = False  # the policy's lazy_draft, read at the start of each step
+        self._draft_idle = False  # the last policy call wanted no drafts at all
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -110,7 +110,6 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
-        self._lazy_draft = self.policy.lazy_draft  # read once: the policy's choice may change it
         chosen: list[tuple[Request, int]] = []
         preempted = self._schedule_running(chosen, budget)
         budget -= sum(n for _, n in chosen)
@@ -149,11 +148,11 @@ class Scheduler:
         """What the drafter's KV cache catches up on this step (see ``draft_input``)."""
         if self.draft_input == "features":
             return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
-        # A draft model catches up on its unseen tokens in the steps where it proposes, and
-        # on prompt chunks unless the policy is lazy; a decoding request that drafts nothing
-        # this step lets it lag, so a gamma of 0 costs no draft work at all.
+        # A draft model catches up on a request's unseen tokens in the steps where it proposes
+        # for it, and reads prompt chunks with the target unless the policy last wanted no
+        # drafts at all: a request that drafts nothing lets it lag, at no draft work.
         if self.draft_input == "tokens" and (
-            drafts or (self._prompt_chunk(req, n) and not self._lazy_draft)
+            drafts or (self._prompt_chunk(req, n) and not self._draft_idle)
         ):
             return req.token_slice(req.num_draft_computed, end)
         return []
@@ -209,19 +208,10 @@ class Scheduler:
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
         if not decoding:
             return {}
-        shape = StepShape(
-            num_seqs=len(chosen),
-            target_tokens=sum(n for _, n in chosen),
-            catchup_tokens=0
-            if self._lazy_draft
-            else sum(  # the prompt chunks'; decoding requests' lags come with them
-                r.num_computed + n - r.num_draft_computed
-                for r, n in chosen
-                if self._prompt_chunk(r, n)
-            ),
-        )
         gammas: dict[str, int] = {}
-        for req, want in zip(decoding, self.policy.draft_lengths(decoding, shape)):
+        wants = self.policy.draft_lengths(decoding)
+        self._draft_idle = not any(wants)
+        for req, want in zip(decoding, wants):
             gamma = max(0, min(want, self._own_draft_length(req), budget))
             if gamma and not self.kv.allocate(req.request_id, req.num_computed + 1 + gamma):
                 fits = self.kv.max_slots_within_free(req.request_id) - req.num_computed - 1

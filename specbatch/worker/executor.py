@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from specbatch.config import EngineConfig
 from specbatch.errors import InvalidInputError
@@ -13,9 +13,6 @@ class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
     def init_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, plan: SchedulerOutput) -> StepResult: ...
-    def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
-    ) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
 
 
@@ -58,18 +55,5 @@ class UniprocExecutor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return self.worker.execute(plan)
 
-    def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
-    ) -> dict[str, Any]:
-        return self.worker.profile_passes(seq_counts, context_len, depths, draft_counts)
-
     def shutdown(self) -> None:
         pass
-
-
-def create_executor(config: EngineConfig) -> Executor:
-    if config.distributed_executor_backend == "ray":
-        from specbatch.worker.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    return UniprocExecutor(config)

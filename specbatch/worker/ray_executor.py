@@ -233,21 +233,6 @@ class RayExecutor:
         result.timings["ray"] = max(0.0, time.perf_counter() - t0 - result.timings["worker"])
         return result
 
-    def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
-    ) -> dict[str, Any]:
-        """Every rank runs the dummy passes together (their collectives pair up); rank 0's times."""
-        results = self._call_all(
-            "pass profiling",
-            "profile_passes",
-            seq_counts,
-            context_len,
-            depths,
-            draft_counts,
-            timeout=None,
-        )
-        return results[0]
-
     def _call_all(self, what: str, method: str, *args: Any, timeout: float | None) -> list[Any]:
         return self._call_ranks(
             what,

@@ -76,11 +76,6 @@ class RankWorker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
-    ) -> dict[str, Any]:
-        return self.worker.profile_passes(seq_counts, context_len, depths, draft_counts)
-
     def execute(self, plan: SchedulerOutput) -> StepResult | None:
         """One engine step on this rank; rank 0 returns the result with its timings."""
         assert self.tp is not None

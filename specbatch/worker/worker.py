@@ -29,7 +29,6 @@ from specbatch.worker.draft_model_proposer import DraftModelProposer
 from specbatch.worker.eagle_proposer import EagleProposer
 from specbatch.worker.model_runner import ModelRunner, build_inputs
 from specbatch.worker.ngram_proposer import NgramProposer
-from specbatch.worker.pass_profile import profile_passes
 from specbatch.worker.proposer import DraftRound, Proposal, Proposer, TargetPass
 from specbatch.worker.rejection_sampler import greedy_verify, rejection_sample
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
@@ -73,7 +72,6 @@ class Worker:
         if isinstance(self.proposer, DraftModelProposer):
             self.draft = self.proposer.runner
         self._states: dict[str, _RequestState] = {}
-        self.sync_phases = False  # wait for the device between a step's phases (profiling)
 
     # ---- set-up ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -96,17 +94,6 @@ class Worker:
         self.target.allocate_kv_cache(num_blocks, self.config.block_size)
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks)
-
-    @torch.inference_mode()
-    def profile_passes(
-        self, seq_counts: list[int], context_len: int, depths: list[int], draft_counts: list[int]
-    ) -> dict[str, list[float] | list[list[float]]]:
-        """The forwards of a step, timed through ``execute`` (pass_profile.py)."""
-        return profile_passes(self, seq_counts, context_len, depths, draft_counts)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -137,12 +124,8 @@ class Worker:
             proposal = Proposal.empty(len(sampling), g_max, self.device)
         else:
             proposal = self.proposer.propose(step)
-        if self.sync_phases:
-            self._sync()
         t1 = time.perf_counter()
         p, target_pass = self._verify(step, proposal, g_max)
-        if self.sync_phases:
-            self._sync()
         t2 = time.perf_counter()
         if not sampling:
             if self.proposer is not None:
