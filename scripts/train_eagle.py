@@ -59,6 +59,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def command() -> str:
+    return " ".join(["python", "scripts/train_eagle.py", *sys.argv[1:]])
+
+
 def log(run: Path, msg: str) -> None:
     line = f"[{time.strftime('%H:%M:%S')}] {msg}"
     print(line, flush=True)
@@ -133,7 +137,8 @@ def phase_features(args, run: Path) -> None:
     )
     feats, ev_feats = featurise(model, tr), featurise(model, ev)
     torch.save({"tokens": tr.to(torch.int16), "features": feats, "eval_tokens": ev.to(torch.int16),
-                "eval_features": ev_feats}, run / "features.pt")  # fmt: skip
+                "eval_features": ev_feats, "command": command(), "seconds": time.time() - t0},
+               run / "features.pt")  # fmt: skip
     log(run, f"features: {tr.numel():,} train tokens ({len(train)} files), {ev.numel():,} "
              f"held-out ({len(held)} files), {time.time() - t0:.0f} s")  # fmt: skip
 
@@ -280,7 +285,7 @@ def phase_train(args, run: Path) -> None:
     ev = evaluate(head, embed, lm_head, blob["eval_tokens"], blob["eval_features"], args)
     log(run, f"held-out alpha by draft step (teacher-forced tokens): {ev}")
     torch.save({"head": head.state_dict(), "steps": step, "eval": ev, "seconds": time.time() - t0,
-                "loss": loss.item()}, run / "head.pt")  # fmt: skip
+                "loss": loss.item(), "command": command()}, run / "head.pt")  # fmt: skip
 
 
 @torch.no_grad()
@@ -301,6 +306,7 @@ def phase_export(args, run: Path) -> None:
     out = Path(args.export or run / "export")
     out.mkdir(parents=True, exist_ok=True)
     saved = torch.load(run / "head.pt", weights_only=True)
+    features = torch.load(run / "features.pt", weights_only=True)
     sd = saved["head"]
     cfg = json.loads((Path(args.target) / "config.json").read_text())
     names = {
@@ -313,6 +319,7 @@ def phase_export(args, run: Path) -> None:
         names[f"{proj}.weight"] = f"layers.0.mlp.{proj}.weight"
     tensors = {names[k]: v.to(torch.bfloat16).contiguous() for k, v in sd.items() if k in names}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
     head_cfg = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                     "head_dim", "rms_norm_eps", "max_position_embeddings",
                                     "rope_parameters", "vocab_size", "bos_token_id", "eos_token_id")
@@ -323,9 +330,15 @@ def phase_export(args, run: Path) -> None:
     (out / "config.json").write_text(json.dumps(head_cfg, indent=2, sort_keys=True) + "\n")
     meta = {
         "what": "EAGLE-1 head for the built-in target, trained with the target frozen",
-        "command": " ".join(sys.argv),
+        "commands": {
+            "features": features["command"],
+            "train": saved["command"],
+            "export": command(),
+        },
         "seed": args.seed,
-        "target": str(args.target),
+        "target": Path(args.target).name if Path(args.target) == BUILTIN else str(args.target),
+        "train_tokens": int(features["tokens"].numel()),
+        "features_seconds": round(float(features["seconds"]), 1),
         "data": "the target's stdlib training files (training.json); held-out files for eval",
         "seq_len": args.seq_len,
         "max_tokens": args.max_tokens,

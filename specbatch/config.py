@@ -257,15 +257,26 @@ class EngineArgs:
                 f"num_speculative_tokens must be an integer >= 0 or 'auto', got {k!r}"
             )
         ngram = spec.method == "ngram"
-        # The built-in pair speculates by default; any other target only with a draft given.
-        use_builtin_draft = not ngram and self.model is None and spec.model is None and k != 0
-        eagle = spec.method in ("eagle", "eagle3")
+        method = spec.method
+        drafter_path = spec.model
+        if drafter_path is None and not ngram and k != 0 and self.model is None:
+            # The built-in target speculates by default, with its EAGLE head (its draft model
+            # when speculative_config asks for that method); any other target only with a
+            # drafter given.
+            if self.speculative_config is None:
+                method = "eagle"
+            drafter_path = default_model_path("draft" if method == "draft_model" else "eagle")
+        elif drafter_path is None and not ngram and self.speculative_config is not None:
+            raise InvalidInputError(
+                f"speculative_config.model: the {method} method needs a model (only the "
+                "built-in target has its own)"
+            )
+        eagle = method in ("eagle", "eagle3")
         if eagle:
-            assert spec.model is not None
-            draft = eagle_head_config(spec.model, spec.method, target, device, self.dtype)
-        elif spec.model is not None or use_builtin_draft:
-            draft_path = spec.model or default_model_path("draft")
-            draft = self._model_config(draft_path, "draft_model", None, device, self.dtype)
+            assert drafter_path is not None
+            draft = eagle_head_config(drafter_path, method, target, device, self.dtype)
+        elif drafter_path is not None:
+            draft = self._model_config(drafter_path, "draft_model", None, device, self.dtype)
             check_same_vocabulary(target, draft)
         if k is None and (draft is not None or ngram):
             k = DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -459,7 +470,7 @@ def check_tensor_parallel(model: ModelConfig, tp: int, field_name: str) -> None:
 
 
 def default_model_path(which: str) -> str:
-    """The built-in pair shipped inside the package (``which`` is 'target' or 'draft')."""
+    """The built-in models shipped inside the package: 'target', 'draft' or 'eagle'."""
     path = Path(__file__).parent / "assets" / "default_pair" / which
     if not (path / "config.json").exists():
         raise InvalidInputError(

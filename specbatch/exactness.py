@@ -100,8 +100,9 @@ def _sample(
 
 def verify_exactness(
     model: str,
-    draft_model: str,
+    draft_model: str | None = None,
     *,
+    speculative_config: Mapping[str, Any] | None = None,
     num_speculative_tokens: int = 4,
     num_samples: int = 2000,
     num_tokens: int = 3,
@@ -119,6 +120,8 @@ def verify_exactness(
 ) -> VerifyReport:
     """Compare ``num_samples`` speculative samples with as many plain samples of the target.
 
+    The drafter is ``draft_model``, or ``speculative_config`` (any method; its
+    ``num_speculative_tokens`` wins over the argument).
     ``engine_kwargs`` are further ``EngineArgs`` fields for both engines (dtype, device,
     num_kv_blocks, max_model_len, ...). ``reference_model`` (default: ``model``) is the model of
     the plain run; pointing it at another model is how the test itself is tested. Speculative
@@ -146,8 +149,19 @@ def verify_exactness(
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
     SamplingParams(**sampling)  # check the values before loading anything
     extra = dict(engine_kwargs or {})
-    for reserved in ("model", "draft_model", "num_speculative_tokens", "seed"):
+    for reserved in (
+        "model",
+        "draft_model",
+        "num_speculative_tokens",
+        "seed",
+        "speculative_config",
+    ):
         extra.pop(reserved, None)
+    if (draft_model is None) == (speculative_config is None):
+        raise InvalidInputError("verify: give a draft_model or a speculative_config (one)")
+    drafter = dict(speculative_config or {"method": "draft_model", "model": draft_model})
+    drafter.setdefault("num_speculative_tokens", num_speculative_tokens)
+    num_speculative_tokens = drafter["num_speculative_tokens"]
 
     def params(first_seed: int) -> list[SamplingParams]:
         return [
@@ -162,13 +176,7 @@ def verify_exactness(
 
     base = seed * 2 * num_samples
     spec_engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model,
-            draft_model=draft_model,
-            num_speculative_tokens=num_speculative_tokens,
-            seed=seed,
-            **extra,
-        )
+        EngineArgs(model=model, speculative_config=drafter, seed=seed, **extra)
     )
     try:
         if prompt is None and prompt_token_ids is None:
@@ -194,7 +202,7 @@ def verify_exactness(
     result = chi_square_two_sample(spec.counts, plain.counts, min_expected=MIN_EXPECTED)
     report = VerifyReport(
         model=str(model),
-        draft_model=str(draft_model),
+        draft_model=f"{drafter['method']}: {drafter.get('model') or 'built-in'}",
         reference_model=str(reference_model or model),
         num_speculative_tokens=num_speculative_tokens,
         prompt=text,

@@ -5,9 +5,10 @@
     {"method": "eagle", "model": HEAD_DIR, "num_speculative_tokens": 3}   (or "eagle3")
 
 ``num_speculative_tokens`` may be ``"auto"`` (chosen per request and step, up to
-``max_draft_length``). ``method`` may be left out when ``model`` is given. The engine's older
-flags (``draft_model``, ``num_speculative_tokens``, ``draft_tensor_parallel_size``) are
-shorthands for the same fields.
+``max_draft_length``). ``method`` may be left out when ``model`` is given; ``model`` may be
+left out for the built-in target, whose own draft model and EAGLE head ship with it. The
+engine's older flags (``draft_model``, ``num_speculative_tokens``,
+``draft_tensor_parallel_size``) are shorthands for the same fields.
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ def parse_speculative_config(value: dict[str, Any] | str) -> SpeculativeArgs:
         raise InvalidInputError(
             f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}"
         )
-    if method in ("draft_model", "eagle", "eagle3") and model is None:
-        raise InvalidInputError(f"speculative_config.model: the {method} method needs a model")
     if method == "ngram" and model is not None:
         raise InvalidInputError("speculative_config.model: the ngram method takes no model")
     k = value.get("num_speculative_tokens")

@@ -51,7 +51,7 @@ def trained(tiny_llama_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
 def test_training_script_writes_a_loadable_head(trained) -> None:
     _, head = trained
     info = json.loads((head / "training.json").read_text())
-    for key in ("command", "seed", "steps", "heldout_alpha_by_step", "parameters", "loss"):
+    for key in ("commands", "seed", "steps", "heldout_alpha_by_step", "parameters", "loss"):
         assert key in info, key
     assert detect_layout(head) == "eagle"
     log = (head.parent / "train_eagle.log").read_text()

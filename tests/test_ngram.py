@@ -93,6 +93,7 @@ def test_point_mass_rule_gives_p_exactly() -> None:
         ({"method": "ngram", "num_speculative_tokens": "lots"}, "num_speculative_tokens must"),
         ({"method": "ngram", "model": "x"}, "the ngram method takes no model"),
         ({"method": "draft_model"}, "the draft_model method needs a model"),
+        ({"method": "eagle"}, "the eagle method needs a model"),
         ("{not json", "not valid JSON"),
         ([1, 2], "must be a JSON object"),
     ],

@@ -186,7 +186,7 @@ def test_model_without_draft_is_refused(
 ) -> None:
     assert main(["verify", "--model", pair[0]]) == 2
     err = capsys.readouterr().err
-    assert "give both, or neither" in err and "Traceback" not in err
+    assert "give its drafter too" in err and "Traceback" not in err
 
 
 def test_prompt_errors_name_the_flag(
@@ -225,3 +225,19 @@ def test_greedy_agreement_passes(pair: tuple[str, str]) -> None:
     )
     assert report.distinct_speculative == report.distinct_plain == report.distinct_total == 1
     assert report.verdict == "PASS" and report.spec_rounds > 0
+
+
+def test_cli_checks_a_drafter_given_as_speculative_config(
+    pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, draft = pair
+    config = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 1}}'
+    argv = ["verify", "--model", target, "--speculative-config", config, "--num-samples",
+            "300", "--tokens", "3", "--top-k", "8", "--prompt-token-ids", "1,2",
+            "--no-progress", *ENGINE_FLAGS]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"draft_model: {draft} (k = 1)" in out and "PASS (p-value" in out, out
+    both = ["verify", "--model", target, "--draft-model", draft, "--speculative-config", config]
+    assert main(both) == 2
+    assert "give one" in capsys.readouterr().err

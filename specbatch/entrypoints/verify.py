@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from specbatch.config import default_model_path
@@ -83,25 +84,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the runs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_sampling_flags(p, skip=("max_tokens",), stop_flags=False)
-    add_engine_flags(p, skip=("model", "draft_model", "num_speculative_tokens", "seed"))
+    add_engine_flags(p, skip=("model", "draft_model", "num_speculative_tokens", "seed"),
+                     help_overrides={"speculative_config": "the drafter to check, as JSON "
+                                     "(instead of --draft-model; default: the built-in pair's "
+                                     "EAGLE head)"})  # fmt: skip
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
+    from specbatch.speculative_config import parse_speculative_config
 
-    if (args.model is None) != (args.draft_model is None):
+    if args.draft_model is not None and args.speculative_config is not None:
+        raise InvalidInputError("--draft-model and --speculative-config: give one")
+    if args.model is not None and args.draft_model is None and args.speculative_config is None:
         raise InvalidInputError(
-            "--model and --draft-model: give both, or neither to check the built-in pair"
+            "--model: give its drafter too (--draft-model or --speculative-config), or neither "
+            "to check the built-in pair"
         )
     model = args.model or default_model_path("target")
-    draft = args.draft_model or default_model_path("draft")
-    skip = {"model", "draft_model", "num_speculative_tokens", "seed"}
+    drafter: dict[str, Any] = {"method": "eagle"}  # the built-in default
+    if args.draft_model is not None:
+        drafter = {"method": "draft_model", "model": args.draft_model}
+    elif args.speculative_config is not None:
+        parse_speculative_config(args.speculative_config)  # its errors name the field
+        drafter = json.loads(args.speculative_config)
+    skip = {"model", "draft_model", "num_speculative_tokens", "seed", "speculative_config"}
     engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field not in skip}
     report = verify_exactness(
         model,
-        draft,
+        speculative_config=drafter,
         num_speculative_tokens=args.num_speculative_tokens,
         num_samples=args.num_samples,
         num_tokens=args.tokens,
