@@ -94,7 +94,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "dtype",
         str,
-        "weights and activations dtype; auto takes the checkpoint's (float32 on CPU)",
+        "weights and activations dtype; auto takes the checkpoint's (on a CPU: bfloat16 for "
+        "16-bit checkpoints where the CPU multiplies it natively, else float32)",
         choices=DTYPES,
     ),
     Flag("seed", int, "engine seed (see the command's help for how requests use it)", metavar="N"),
@@ -148,9 +149,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "attention_backend",
         str,
-        "auto, torch, flash-attn (CUDA, block size a multiple of 256) or xformers (CUDA, "
-        "multiple of 64); auto: flash-attn, else xformers, else torch, as installed and as the "
-        "block size allows",
+        "auto, torch, cpu (specbatch's kernel), flash-attn (CUDA, block size a multiple of "
+        "256) or xformers (CUDA, multiple of 64); auto: on a CPU the kernel where it runs, on "
+        "CUDA flash-attn, else xformers, as installed and as the block size allows; else torch",
         metavar="NAME",
     ),
 )

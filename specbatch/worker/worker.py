@@ -11,6 +11,7 @@ Rollback is not done here: the scheduler moves each model's progress counter bac
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -226,7 +227,7 @@ class Worker:
         )
         target_pass = None
         if features is not None:
-            target_pass = TargetPass(features, inputs.meta.query_start_loc.tolist()[:-1])
+            target_pass = TargetPass(features, list(itertools.accumulate(q_lens, initial=0))[:-1])
         if not sampling:
             return logits.new_empty((0, g_max + 1, logits.shape[-1])), target_pass
         if greedy:
