@@ -17,7 +17,6 @@ their authors publish for Llama-family targets.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -328,8 +327,3 @@ def load_eagle_head(
             f"speculative_config.model: the EAGLE head at '{path}' lacks {', '.join(missing)}"
         )
     return head.eval()
-
-
-def write_config(path: Path, config: dict[str, Any]) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
