@@ -77,6 +77,8 @@ class CpuKernels:
         """``x [M, K] @ W^T + bias`` -> ``[M, N]``; bfloat16 may return float32 (``out_dtype``)."""
         x = _rows(x)
         m = x.shape[0]
+        if x.shape[1] != w.in_features:
+            raise ValueError(f"linear: input has {x.shape[1]} features, the weight {w.in_features}")
         y = torch.empty((m, w.out_features), dtype=out_dtype or x.dtype)
         b = bias.data_ptr() if bias is not None else None
         if _is_bf16(x):

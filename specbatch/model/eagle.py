@@ -87,8 +87,15 @@ def feature_layers(hf_config: Any, target_layers: int) -> tuple[int, ...]:
     """The target layers whose entering residual streams an EAGLE-3 head reads."""
     ids = (getattr(hf_config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids:
-        return tuple(int(i) for i in ids)
-    return (2, target_layers // 2, target_layers - 3)
+        layers = tuple(int(i) for i in ids)
+        if any(not 0 <= i <= target_layers for i in layers):
+            raise InvalidInputError(
+                f"eagle_config.eagle_aux_hidden_state_layer_ids: {list(layers)} must be layers "
+                f"0..{target_layers} of the {target_layers}-layer target"
+            )
+        return layers
+    # a target too shallow for the usual choice reads its valid layers nearest to them
+    return tuple(min(max(i, 0), target_layers) for i in (2, target_layers // 2, target_layers - 3))
 
 
 @dataclass

@@ -251,15 +251,16 @@ class LlamaModel(nn.Module):
         streams: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final-normed hidden states, and the residual stream entering each layer of
-        ``streams`` (``len(layers)``: the stream after the last one), for an EAGLE-3 head."""
+        ``streams`` in that order, repeats included (``len(layers)``: the stream after the last
+        one), for an EAGLE-3 head."""
         h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        kept: list[torch.Tensor] = [h.clone()] if 0 in streams else []
+        seen: dict[int, torch.Tensor] = {0: h.clone()} if 0 in streams else {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(h, residual, positions, kv_cache, meta)
             if i + 1 in streams:
-                kept.append(h + residual)
-        return self.norm.add_and_norm(h, residual)[0], kept
+                seen[i + 1] = h + residual
+        return self.norm.add_and_norm(h, residual)[0], [seen[i] for i in streams]
 
 
 class LlamaForCausalLM(nn.Module):
