@@ -169,6 +169,7 @@ class EngineConfig:
     batch_invariant: bool = False
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def speculative(self) -> bool:
@@ -203,6 +204,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     speculative_config: dict[str, Any] | str | None = None
     batch_invariant: bool = False
+    logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs"
 
     def _speculative_args(self) -> SpeculativeArgs:
         """``speculative_config`` checked, or the shorthand flags as one."""
@@ -325,6 +327,11 @@ class EngineArgs:
             )
         if self.kv_cache_memory is None and self.num_kv_blocks is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise InvalidInputError(
+                "logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got "
+                f"{self.logprobs_mode!r}"
+            )
         if self.batch_invariant:
             check_batch_invariant(device, target, draft, adaptive, self.attention_backend)
         return EngineConfig(
@@ -350,6 +357,7 @@ class EngineArgs:
             prompt_lookup_max=spec.prompt_lookup_max,
             prompt_lookup_min=spec.prompt_lookup_min,
             batch_invariant=bool(self.batch_invariant),
+            logprobs_mode=self.logprobs_mode,
         )
 
     @staticmethod

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specbatch.request import Request
+from specbatch.scheduler.output import PositionLogprobs
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability at a position, its rank there (1 = most likely), and the
+    token as text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# per position: token id -> Logprob, for the chosen token and the top K
+PositionLogprobDict = dict[int, Logprob]
+
+
+def logprob_dicts(
+    entries: list[PositionLogprobs], chosen: list[int], decode: Callable[[int], str] | None
+) -> list[PositionLogprobDict]:
+    """vLLM's shape of logprobs: per position, the top K in rank order, then the chosen token
+    if it is not among them."""
+    out = []
+    for (lp, rank, top_ids, top_lps), token in zip(entries, chosen, strict=True):
+        d = {
+            t: Logprob(v, r + 1, decode(t) if decode else None)
+            for r, (t, v) in enumerate(zip(top_ids, top_lps))
+        }
+        if token not in d:
+            d[token] = Logprob(lp, rank, decode(token) if decode else None)
+        out.append(d)
+    return out
 
 
 @dataclass
@@ -14,6 +47,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    cumulative_logprob: float | None = None  # with logprobs: the sum over token_ids
+    logprobs: list[PositionLogprobDict] | None = None  # with logprobs: one per token
 
 
 @dataclass
@@ -88,4 +123,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
+    metrics: RequestMetrics  # of the first completion
+    prompt_logprobs: list[PositionLogprobDict | None] | None = None  # first entry None

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.output import PositionLogprobs
 from specbatch.theory import expected_tokens_per_round
 
 
@@ -138,6 +139,8 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # arrival of each emitted token
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)  # when asked for
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # prompt tokens 1..
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from specbatch.errors import InvalidInputError
 
 _EPS_GREEDY = 1e-5  # temperatures below this are treated as greedy, as vLLM does
+MAX_LOGPROBS = 20  # the most top alternatives a token's logprobs may list (OpenAI's limit)
+MAX_N = 128  # the most completions of one prompt (OpenAI's limit)
 
 
 @dataclass
@@ -17,7 +19,16 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` switch those
     filters off. ``max_tokens=None`` generates until a stop condition or ``max_model_len``.
     A request with ``seed`` draws every random number from its own generator seeded with it, so it
-    returns the same tokens alone or inside any batch.
+    returns the same tokens alone or inside any batch; with ``n > 1`` completion ``i`` has a
+    generator of its own, derived from the seed and ``i``.
+
+    Penalties have vLLM's meanings: ``presence_penalty`` and ``frequency_penalty`` (OpenAI's,
+    in [-2, 2]) subtract from the logit of every token already generated, once or once per
+    occurrence; ``repetition_penalty`` (transformers' rule, > 0) divides a positive logit and
+    multiplies a negative one of every token in the prompt or the output. ``min_tokens`` masks
+    EOS and ``stop_token_ids`` (and ignores stop strings) until that many tokens were generated.
+    ``logprobs=K`` returns each generated token's log-probability with the K most likely tokens
+    at its position; ``prompt_logprobs=K`` the same for the prompt's tokens (the first has none).
     """
 
     temperature: float = 1.0
@@ -32,6 +43,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     _stop: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,8 +75,31 @@ class SamplingParams:
             if self.max_tokens < 1:
                 raise InvalidInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
         self._check_int("n", self.n)
-        if self.n != 1:
-            raise InvalidInputError(f"n must be 1 (one completion per request), got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidInputError(f"n must be in [1, {MAX_N}], got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidInputError(f"{name} must be in [-2, 2], got {value}")
+        self._check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidInputError(
+                f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}"
+            )
+        self._check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidInputError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidInputError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                self._check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidInputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.temperature < _EPS_GREEDY:
             self.temperature = 0.0
         self._stop = self._normalise_stop(self.stop)
@@ -75,6 +115,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits need the request's history (penalties or min_tokens)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
 
     @property
     def stop_strings(self) -> list[str]:

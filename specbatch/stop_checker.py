@@ -32,12 +32,17 @@ class StopChecker:
         sp = req.sampling_params
         detok = self._detokenizer(req)
         delta = detok.append(token_id) if detok else ""
+        if len(req.output_token_ids) < sp.min_tokens:  # min_tokens: only the length stops it
+            return self._length(req)
         if token_id in req.eos_token_ids and not sp.ignore_eos:
             return self._done(req, FinishReason.STOP, None)
         if token_id in sp.stop_token_ids:
             return self._done(req, FinishReason.STOP, token_id)
         if delta and sp.stop_strings and self._stop_string(req, detok, len(delta)):
             return True
+        return self._length(req)
+
+    def _length(self, req: Request) -> bool:
         if len(req.output_token_ids) >= req.max_output_tokens:
             return self._done(req, FinishReason.LENGTH, None)
         return False

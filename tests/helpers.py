@@ -59,9 +59,11 @@ def exact_joint(
     top_p: float = 1.0,
     top_k: int = 0,
     min_mass: float = 0.0,
+    penalties: dict | None = None,
 ) -> dict[tuple[int, ...], float]:
     """P(first ``n_tokens`` generated tokens) of plain sampling from the target, computed by
-    enumerating continuations with transformers' logits under the request's transforms.
+    enumerating continuations with transformers' logits under the request's transforms
+    (``penalties``: ``reference_penalties``' keywords, applied first).
     Branches below ``min_mass`` are dropped (their total is negligible for the tests)."""
     model = hf_model(path)
     frontier: dict[tuple[int, ...], float] = {(): 1.0}
@@ -69,6 +71,13 @@ def exact_joint(
         seqs = list(frontier)
         ids = torch.tensor([prompt + list(s) for s in seqs])
         logits = model(ids).logits[:, -1].float()
+        if penalties is not None:
+            logits = torch.stack(
+                [
+                    reference_penalties(row, prompt, list(s), **penalties)
+                    for row, s in zip(logits, seqs)
+                ]
+            )
         n = len(seqs)
         st = SamplingTensors.from_lists([temperature] * n, [top_k] * n, [top_p] * n, [0.0] * n)
         probs = logits_to_probs(logits, st)
@@ -82,6 +91,31 @@ def exact_joint(
         frontier = nxt
     total = sum(frontier.values())
     return {s: m / total for s, m in frontier.items()}
+
+
+def reference_penalties(
+    logits: torch.Tensor,
+    prompt: list[int],
+    output: list[int],
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+    min_tokens: int = 0,
+    banned: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """vLLM's and OpenAI's penalties written out token by token, as an independent reference:
+    min_tokens bans ``banned`` while fewer than min_tokens were generated; transformers'
+    repetition rule over prompt and output; presence and frequency over the output."""
+    out = logits.clone().tolist()
+    for t in range(len(out)):
+        if len(output) < min_tokens and t in banned:
+            out[t] = float("-inf")
+            continue
+        if t in prompt or t in output:
+            out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+        count = output.count(t)
+        out[t] -= frequency * count + (presence if count else 0.0)
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def all_sequences(vocab: int, n: int) -> list[tuple[int, ...]]:

@@ -30,6 +30,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.scheduler.speculation import FixedDraftLength
 from specbatch.stats import chi_square_gof, power
 from specbatch.worker import rejection_sampler
+from specbatch.worker.penalties import Penalties
 from specbatch.worker.sampler import sample
 from tests.helpers import exact_joint, make_perturbed_draft
 
@@ -173,6 +174,75 @@ def test_the_test_catches_a_broken_residual(pair, monkeypatch):
     samples = sample_sequences(llm, params)
     with pytest.raises(AssertionError, match="p="):  # the p-value, not the power check
         assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
+
+
+# strong enough to move the joint far from the unpenalised one, mild enough that every
+# possible cell is expected more than 5 times in N samples (nothing pooled)
+PENALTIES = dict(presence=0.6, frequency=-0.3, repetition=1.3, min_tokens=2, banned=(2,))
+
+
+def penalised_params(gamma: int, temperature: float) -> list[SamplingParams]:
+    return [
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=gamma + 2,
+            ignore_eos=True,
+            presence_penalty=PENALTIES["presence"],
+            frequency_penalty=PENALTIES["frequency"],
+            repetition_penalty=PENALTIES["repetition"],
+            min_tokens=PENALTIES["min_tokens"],
+            stop_token_ids=[2],
+        )
+    ] * N
+
+
+@pytest.mark.parametrize(("gamma", "temperature"), [(1, 1.0), (4, 1.0), (1, 0.7), (4, 0.7)])
+def test_penalties_and_min_tokens_keep_the_penalised_distribution(pair, gamma, temperature):
+    """Penalties and min_tokens under speculation: every verified position is penalised with
+    the drafts before it, so the joint is that of plain penalised sampling (written out
+    independently in tests/helpers.py); token 2 is a stop token banned for two tokens."""
+    llm = engine(pair, gamma, seed=40 + gamma)
+    samples = sample_sequences(llm, penalised_params(gamma, temperature))
+    assert all(2 not in s[:2] for s in samples)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98
+    exact = exact_joint(pair[0], PROMPT, 3, temperature, penalties=PENALTIES)
+    assert_matches(samples, exact)
+
+
+def test_the_test_catches_penalties_blind_to_the_drafts(pair, monkeypatch):
+    """Penalising every verified position with the history alone (not the drafts before it)
+    must be detected."""
+    real = Penalties.apply
+
+    def blind(self, logits, rows, drafts=None, num_before=None):
+        return real(self, logits, rows)
+
+    monkeypatch.setattr(Penalties, "apply", blind)
+    llm = engine(pair, 4, seed=44)
+    samples = sample_sequences(llm, penalised_params(4, 1.0))
+    with pytest.raises(AssertionError, match="p="):
+        assert_matches(samples, exact_joint(pair[0], PROMPT, 3, penalties=PENALTIES))
+
+
+LONG_PROMPT = [1, 2, 0, 0, 1, 2, 2, 1, 0, 1]  # two full blocks of 4 for the forks to share
+
+
+def test_n_completions_sharing_the_prompt_blocks_keep_the_distribution(pair):
+    """n = 4 completions of a prompt fork its filled blocks: each completion is a sample of
+    the target, independent of its siblings (pairs of them are tested as one joint)."""
+    llm = engine(pair, 3, seed=9)
+    n = 4
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, n=n)
+    outs = llm.generate([{"prompt_token_ids": LONG_PROMPT}] * (N // n), params, use_tqdm=False)
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    assert all(len(o.outputs) == n for o in outs)
+    samples = [tuple(c.token_ids[:3]) for o in outs for c in o.outputs]
+    assert_matches(samples, exact_joint(pair[0], LONG_PROMPT, 3))
+    firsts = [(o.outputs[0].token_ids[0], o.outputs[1].token_ids[0]) for o in outs]
+    marginal = exact_joint(pair[0], LONG_PROMPT, 1)
+    pairs = {(a, b): marginal[(a,)] * marginal[(b,)] for (a,) in marginal for (b,) in marginal}
+    assert_matches(firsts, pairs, tv=None)
 
 
 def _correction_from_p(real):

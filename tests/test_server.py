@@ -150,6 +150,82 @@ def test_completion_and_stream_agree(server: ServerThread, client: Any) -> None:
     wait_pool_full(server.engine)
 
 
+def test_n_logprobs_echo_and_penalties_through_the_openai_client(
+    server: ServerThread, client: Any
+) -> None:
+    kw = dict(
+        model=MODEL,
+        prompt="hello world",
+        max_tokens=10,
+        temperature=0.9,
+        seed=5,
+        n=3,
+        logprobs=2,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 4, "ignore_eos": True},
+    )
+    full = client.completions.create(**kw, echo=True)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    n_prompt = full.usage.prompt_tokens
+    assert full.usage.completion_tokens == 30  # 3 choices of 10 tokens
+    for c in full.choices:
+        assert c.text.startswith("hello world") and c.finish_reason == "length"
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 10
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+        assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset == sorted(lp.text_offset)
+    assert len({c.text for c in full.choices}) > 1  # each completion has its own stream
+    # the stream of the same seeded request: the same tokens and logprobs, choice by choice
+    streamed: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    texts: dict[int, str] = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.logprobs is not None:
+                streamed[c.index] += c.logprobs.token_logprobs
+    for c in full.choices:
+        assert "hello world" + texts[c.index] == c.text
+        assert streamed[c.index] == c.logprobs.token_logprobs[n_prompt:]
+    wait_pool_full(server.engine)
+
+
+def test_chat_logprobs_and_n(server: ServerThread, client: Any) -> None:
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        n=2,
+        seed=3,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kw)
+    assert [c.index for c in full.choices] == [0, 1]
+    for c in full.choices:
+        content = c.logprobs.content
+        assert len(content) == 6
+        for item in content:
+            assert len(item.top_logprobs) == 3 and item.logprob <= 0
+            assert item.top_logprobs[0].logprob >= item.logprob - 1e-6
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for c in full.choices:
+        got = [
+            i.logprob
+            for ch in chunks
+            for x in ch.choices
+            if x.index == c.index and x.logprobs
+            for i in x.logprobs.content
+        ]
+        assert got == [i.logprob for i in c.logprobs.content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(**{**kw, "logprobs": False})
+    wait_pool_full(server.engine)
+
+
 def test_stop_string_never_streamed(server: ServerThread, client: Any) -> None:
     base = client.completions.create(
         model=MODEL, prompt="abc", max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
@@ -289,7 +365,11 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": list(range(1, 250)) * 2}, "prompt"),
     ({"model": MODEL, "prompt": 42}, "prompt"),
     ({"model": MODEL}, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": -1}, "n"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": -2.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ]
 
 

@@ -43,14 +43,11 @@ def post(server: ServerThread, body: dict[str, Any] | bytes, path: str = "comple
 @pytest.mark.parametrize(
     "extra",
     [
-        {"presence_penalty": 0.0},
-        {"frequency_penalty": 0.0},
-        {"repetition_penalty": 1.0},
         {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1},
-        {"logprobs": 0, "best_of": 1, "echo": False, "logit_bias": {}},
+        {"logprobs": None, "best_of": 1, "echo": False, "logit_bias": {}, "suffix": ""},
     ],
 )
-def test_neutral_values_of_unsupported_fields_are_accepted(
+def test_default_values_clients_send_are_accepted(
     server: ServerThread, extra: dict[str, Any]
 ) -> None:
     r = post(server, {"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra})
@@ -58,16 +55,26 @@ def test_neutral_values_of_unsupported_fields_are_accepted(
 
 
 @pytest.mark.parametrize(
-    ("name", "value"),
-    [("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2)],
+    ("name", "value", "limit"),
+    [
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"),
+        ("repetition_penalty", 0, "> 0"),
+        ("min_tokens", -1, ">= 0"),
+        ("n", 0, "[1, 128]"),
+        ("n", 129, "[1, 128]"),
+        ("logprobs", 21, "[0, 20]"),
+        ("prompt_logprobs", -2, "[0, 20]"),
+        ("best_of", 2, "not supported"),
+    ],
 )
-def test_penalties_are_refused_naming_the_field(
-    server: ServerThread, name: str, value: float
+def test_out_of_range_values_are_400_naming_the_field_and_the_limit(
+    server: ServerThread, name: str, value: float, limit: str
 ) -> None:
     r = post(server, {"model": MODEL, "prompt": "hi", name: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == name and "not supported" in err["message"]
+    assert err["param"] == name and limit in err["message"], err
 
 
 def test_max_tokens_past_the_context_is_400_naming_the_limit(server: ServerThread) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
@@ -10,7 +11,13 @@ from specbatch.config import EngineArgs, EngineConfig
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
-from specbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specbatch.outputs import (
+    CompletionOutput,
+    PositionLogprobDict,
+    RequestMetrics,
+    RequestOutput,
+    logprob_dicts,
+)
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
@@ -74,6 +81,10 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self._seeds = itertools.count(1)
+        self._groups: dict[str, list[Request]] = {}  # request id -> its n completions
+        self._group_of: dict[str, str] = {}  # completion's request id -> request id
+        self._done: dict[str, CompletionOutput] = {}  # finished completions of open groups
+        self._logprobs: dict[str, list[PositionLogprobDict]] = {}  # converted so far
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -164,28 +175,50 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request that ``check_request`` accepted (its text and token ids)."""
+        """Queue a request that ``check_request`` accepted (its text and token ids). With
+        ``n > 1`` its completions are requests of their own (ids ``ID``, ``ID#1``, ...) that
+        share the prompt's KV blocks, each with its own random stream."""
         rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._groups or any(f"{rid}#{i}" in self._group_of for i in range(params.n)):
+            raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed
         if seed is None:  # derived from the engine's seed: reproducible from run to run
             seed = (self.config.seed * 1_000_003 + next(self._seeds)) % 2**63
-        self.scheduler.add_request(
-            Request(
-                request_id=rid,
+        members = []
+        for i in range(params.n):
+            # the prompt's logprobs come with the first completion only
+            own = dataclasses.replace(params, n=1, prompt_logprobs=None) if i else params
+            member = Request(
+                request_id=f"{rid}#{i}" if i else rid,
                 prompt_token_ids=prompt_token_ids,
-                sampling_params=params,
+                sampling_params=own,
                 max_model_len=self.config.max_model_len,
                 eos_token_ids=self.eos_token_ids,
                 prompt=text,
-                seed=seed,
+                seed=seed if not i else (seed * 1_000_003 + i) % 2**63,
             )
-        )
+            self.scheduler.add_request(member, fork_of=rid if i else None)
+            members.append(member)
+        if params.n > 1:
+            self._groups[rid] = members
+            for m in members:
+                self._group_of[m.request_id] = rid
         return rid
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        for req in self.scheduler.abort(ids):
-            self.stop_checker.forget(req.request_id)
+        members: list[str] = []
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                members.append(rid)
+                continue
+            for m in group:
+                members.append(m.request_id)
+                self._group_of.pop(m.request_id, None)
+                self._done.pop(m.request_id, None)
+        for req in self.scheduler.abort(members):
+            self._forget(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -204,24 +237,67 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         self.scheduler.policy.observe(plan, result, seconds)
         self.metrics.on_step(plan, result, seconds)
-        return [self._output(req) for req in touched]
+        outputs: dict[str, RequestOutput] = {}
+        for req in touched:
+            rid = self._group_of.get(req.request_id, req.request_id)
+            if rid not in outputs:
+                outputs[rid] = self._output(rid, req)
+        return list(outputs.values())
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _completion(self, req: Request, index: int) -> CompletionOutput:
+        """A completion as it stands (its final form once it finished)."""
+        if req.request_id in self._done:
+            return self._done[req.request_id]
         finished = req.is_finished
-        if finished:
-            text = self.stop_checker.finish_text(req)
-            self.stop_checker.forget(req.request_id)
-        else:
-            text = self.stop_checker.text(req)
+        text = self.stop_checker.finish_text(req) if finished else self.stop_checker.text(req)
         reason = req.finish_reason.value if req.finish_reason else None
-        completion = CompletionOutput(0, text, list(req.output_token_ids), reason, req.stop_reason)
+        out = CompletionOutput(index, text, list(req.output_token_ids), reason, req.stop_reason)
+        if req.sampling_params.logprobs is not None:
+            converted = self._logprobs.setdefault(req.request_id, [])
+            n = len(converted)
+            tokens = req.output_token_ids[n : len(req.output_logprobs)]
+            converted.extend(logprob_dicts(req.output_logprobs[n:], tokens, self._decoder()))
+            out.logprobs = list(converted)
+            out.cumulative_logprob = sum(e[0] for e in req.output_logprobs)
+        if finished:
+            self._forget(req)
+            if req.request_id in self._group_of:
+                self._done[req.request_id] = out
+        return out
+
+    def _decoder(self) -> Any:
+        """Token id -> its text (None without a tokenizer)."""
+        tok = self.tokenizer
+        return None if tok is None else lambda t: tok.decode([t])
+
+    def _forget(self, req: Request) -> None:
+        self.stop_checker.forget(req.request_id)
+        self._logprobs.pop(req.request_id, None)
+
+    def _output(self, rid: str, req: Request) -> RequestOutput:
+        """``rid``'s output after a step that touched ``req``, one of its completions."""
+        members = self._groups.get(rid) or [req]
+        completions = [self._completion(m, i) for i, m in enumerate(members)]
+        first = members[0]
+        finished = all(m.is_finished for m in members)
+        if finished and rid in self._groups:
+            del self._groups[rid]
+            for m in members:
+                self._group_of.pop(m.request_id, None)
+                self._done.pop(m.request_id, None)
+        prompt_lps = None
+        if first.sampling_params.prompt_logprobs is not None:
+            scored = first.prompt_logprobs
+            ids = first.prompt_token_ids[1 : 1 + len(scored)]
+            prompt_lps = [None, *logprob_dicts(scored, ids, self._decoder())]
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
+            request_id=rid,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
             finished=finished,
-            metrics=RequestMetrics.of(req),
+            metrics=RequestMetrics.of(first),
+            prompt_logprobs=prompt_lps,
         )
 
     # ---- introspection ---------------------------------------------------------------------

@@ -147,6 +147,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "in any batch, with or without speculation (CPU kernels only; not with auto)",
     ),
     Flag(
+        "logprobs_mode",
+        str,
+        "what logprobs report: raw_logprobs (the model's log-softmax, as vLLM) or "
+        "processed_logprobs (after penalties, temperature and top-k/top-p/min-p)",
+        choices=("raw_logprobs", "processed_logprobs"),
+    ),
+    Flag(
         "attention_backend",
         str,
         "auto, torch, cpu (specbatch's kernel), flash-attn (CUDA, block size a multiple of "
@@ -184,6 +191,25 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
         metavar="P",
     ),
     Flag("max_tokens", int, "most tokens to generate per request", metavar="N"),
+    Flag("min_tokens", int, "no EOS or stop token before this many tokens", metavar="N"),
+    Flag(
+        "presence_penalty",
+        float,
+        "subtracted from the logit of every token generated so far, in [-2, 2]",
+        metavar="X",
+    ),
+    Flag(
+        "frequency_penalty",
+        float,
+        "subtracted once per earlier occurrence among the generated tokens, in [-2, 2]",
+        metavar="X",
+    ),
+    Flag(
+        "repetition_penalty",
+        float,
+        "transformers' rule over prompt and output tokens (1 = off, > 1 discourages)",
+        metavar="X",
+    ),
 )
 
 
@@ -291,6 +317,10 @@ SAMPLING_FIELDS = (
     "top_k",
     "min_p",
     "max_tokens",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
     "seed",
     "stop",
     "stop_token_ids",

@@ -6,14 +6,15 @@ import asyncio
 import contextlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from specbatch.chat import check_messages
 from specbatch.errors import InvalidInputError
-from specbatch.outputs import RequestOutput
-from specbatch.sampling_params import SamplingParams
+from specbatch.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
+from specbatch.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MODEL_NAME = "specbatch-default"
 _FIELD_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(?=[ :])")
@@ -86,14 +87,8 @@ def typed_field(body: dict[str, Any], name: str, kind: str, default: Any = None)
 # Fields this server does not implement, each with the test of the values that mean "off",
 # which are accepted whatever their JSON type (0 and 0.0 alike): clients send the defaults.
 _NEUTRAL: dict[str, tuple[str, Any]] = {
-    "presence_penalty": ("0", lambda v: _is_num(v) and v == 0),
-    "frequency_penalty": ("0", lambda v: _is_num(v) and v == 0),
-    "repetition_penalty": ("1", lambda v: _is_num(v) and v == 1),
     "best_of": ("1", lambda v: _is_num(v) and v == 1),
-    "echo": ("false", lambda v: v is False),
     "suffix": ('""', lambda v: v == ""),
-    "logprobs": ("false or 0", lambda v: v is False or (_is_num(v) and v == 0)),
-    "top_logprobs": ("0", lambda v: _is_num(v) and v == 0),
     "logit_bias": ("{}", lambda v: v == {}),
 }
 
@@ -110,9 +105,13 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
 
 
 def sampling_params_from(
-    body: dict[str, Any], max_tokens_names: tuple[str, ...], default_max_tokens: int | None
+    body: dict[str, Any],
+    max_tokens_names: tuple[str, ...],
+    default_max_tokens: int | None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
-    """``SamplingParams`` from an OpenAI request body (plus vLLM's extra fields)."""
+    """``SamplingParams`` from an OpenAI request body (plus vLLM's extra fields); ``logprobs``
+    as the endpoint reads it from its own fields."""
     _reject_unsupported(body)
     max_tokens = default_max_tokens
     for name in max_tokens_names:
@@ -134,8 +133,30 @@ def sampling_params_from(
         ),
         "skip_special_tokens": typed_field(body, "skip_special_tokens", "bool", True),
         "n": typed_field(body, "n", "int", 1),
+        "presence_penalty": typed_field(body, "presence_penalty", "number", 0.0),
+        "frequency_penalty": typed_field(body, "frequency_penalty", "number", 0.0),
+        "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
+        "min_tokens": typed_field(body, "min_tokens", "int", 0),
+        "logprobs": logprobs,
+        "prompt_logprobs": typed_field(body, "prompt_logprobs", "int"),
     }
     return SamplingParams(**kwargs)
+
+
+def completion_logprobs(body: dict[str, Any]) -> tuple[int | None, bool]:
+    """The completions endpoint's ``logprobs`` (top alternatives per token) and ``echo``."""
+    return typed_field(body, "logprobs", "int"), typed_field(body, "echo", "bool", False)
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """The chat endpoint's ``logprobs`` (a flag) with ``top_logprobs`` (how many)."""
+    wanted = typed_field(body, "logprobs", "bool", False)
+    top = typed_field(body, "top_logprobs", "int")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def requested_max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> tuple[str, int] | None:
@@ -197,25 +218,80 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def usage_of(out: RequestOutput) -> dict[str, int]:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    n_prompt = len(out.prompt_token_ids)
+    n_out = sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def finish_reason_of(out: RequestOutput) -> str | None:
-    reason = out.outputs[0].finish_reason
-    return None if reason == "abort" else reason
+def finish_reason_of(c: CompletionOutput) -> str | None:
+    return None if c.finish_reason == "abort" else c.finish_reason
+
+
+def _token_text(lp: Logprob, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _top(entry: PositionLogprobDict, k: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+def legacy_logprobs(
+    entries: list[PositionLogprobDict | None],
+    token_ids: list[int],
+    top: int,
+    decode: Callable[[list[int]], str],
+) -> dict[str, Any]:
+    """The completions endpoint's logprobs object for these positions, ``top`` alternatives
+    each (None: the prompt's first token, which has no logprob; ``decode`` gives its text)."""
+    offset = 0
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entry, tid in zip(entries, token_ids, strict=True):
+        text = _token_text(entry[tid], tid) if entry else decode([tid])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(entry[tid].logprob)
+        tops.append({_token_text(v, t): v.logprob for t, v in _top(entry, top)})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs_content(
+    entries: list[PositionLogprobDict], token_ids: list[int], top: int
+) -> list[dict[str, Any]]:
+    """The chat endpoint's ``logprobs.content`` for these positions."""
+
+    def item(lp: Logprob, tid: int) -> dict[str, Any]:
+        text = _token_text(lp, tid)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    out = []
+    for entry, tid in zip(entries, token_ids, strict=True):
+        alternatives = [item(v, t) for t, v in _top(entry, top)]
+        out.append({**item(entry[tid], tid), "top_logprobs": alternatives})
+    return out
 
 
 class TextDelta:
-    """Text deltas of one request: never streams a (partial) stop string, flushes at finish."""
+    """Text deltas of one completion: never streams a (partial) stop string, flushes at finish."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.sent = ""
+        self.tokens_sent = 0
+        self.done = False
         self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
 
-    def next(self, out: RequestOutput) -> str:
-        text = out.outputs[0].text
-        if not out.finished:
+    def next(self, c: CompletionOutput) -> str:
+        text = c.text
+        if c.finish_reason is None:
             text = text[: len(text) - self.hold] if self.hold else text
             text = text.rstrip("\ufffd")  # an incomplete character: wait for its other bytes
         if not text.startswith(self.sent) or len(text) <= len(self.sent):

@@ -24,11 +24,12 @@ from specbatch.entrypoints.openai_protocol import (
     usage_of,
 )
 from specbatch.errors import EngineError
-from specbatch.outputs import RequestOutput
+from specbatch.outputs import CompletionOutput, RequestOutput
 from specbatch.sampling_params import SamplingParams
 
-# a chunk of the stream from (text delta, finish reason or None)
-MakeChunk = Callable[[str, str | None], dict[str, Any]]
+# a chunk of the stream for one choice, from (the text delta, the finish reason or None, the
+# output and the choice's completion as they stand, its first token not yet reported)
+MakeChunk = Callable[[str, str | None, RequestOutput, CompletionOutput, int], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -68,27 +69,34 @@ def sse_response(
     ids: ReplyIds,
     make_chunk: MakeChunk,
     *,
-    first: dict[str, Any] | None,
+    first: list[dict[str, Any]],
     include_usage: bool,
     abort: Callable[[str], None],
     on_engine_error: Callable[[], None],
 ) -> StreamingResponse:
-    """One ``data: {chunk}`` event per engine output that added text (after ``first``, when
-    given), a usage chunk when asked for, then ``data: [DONE]``. An engine failure after the
-    headers went out is reported in-band, as OpenAI does; a stream left unfinished (the
-    client went away) is aborted with ``abort(request_id)``."""
+    """The ``first`` chunks, then one ``data: {chunk}`` event per choice and engine output
+    that added text or finished it, a usage chunk when asked for, then ``data: [DONE]``. An
+    engine failure after the headers went out is reported in-band, as OpenAI does; a stream
+    left unfinished (the client went away) is aborted with ``abort(request_id)``."""
 
     async def events() -> AsyncIterator[str]:
-        delta = TextDelta(params)
+        deltas = [TextDelta(params) for _ in range(params.n)]
         try:
-            if first is not None:
-                yield sse_event(first)
+            for chunk in first:
+                yield sse_event(chunk)
             last: RequestOutput | None = None
             async for out in stream:
                 last = out
-                d = delta.next(out)
-                if d or out.finished:
-                    yield sse_event(make_chunk(d, finish_reason_of(out) if out.finished else None))
+                for c in out.outputs:
+                    delta = deltas[c.index]
+                    if delta.done:
+                        continue
+                    text = delta.next(c)
+                    delta.done = c.finish_reason is not None
+                    if text or delta.done:
+                        start, delta.tokens_sent = delta.tokens_sent, len(c.token_ids)
+                        reason = finish_reason_of(c) if delta.done else None
+                        yield sse_event(make_chunk(text, reason, out, c, start))
             if include_usage and last is not None:
                 yield sse_event(
                     {

@@ -10,6 +10,7 @@ key (``/v1/*`` only), 503 full queue, 500 engine failure. Streams are server-sen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -34,12 +35,16 @@ from specbatch.entrypoints.openai_protocol import (
     DEFAULT_MODEL_NAME,
     ApiError,
     bad_request,
+    chat_logprobs,
+    chat_logprobs_content,
     chat_messages,
     check_context_room,
+    completion_logprobs,
     completion_prompt,
     error_body,
     field_of,
     finish_reason_of,
+    legacy_logprobs,
     requested_max_tokens,
     sampling_params_from,
     typed_field,
@@ -47,6 +52,7 @@ from specbatch.entrypoints.openai_protocol import (
 )
 from specbatch.entrypoints.openai_replies import MakeChunk, ReplyIds, collect, sse_response
 from specbatch.errors import EngineError, InvalidInputError
+from specbatch.outputs import CompletionOutput, RequestOutput
 from specbatch.sampling_params import SamplingParams
 
 
@@ -125,30 +131,64 @@ class OpenAIServer:
         body = await self.json_body(request)
         prompt = completion_prompt(body)
         stream_flag, include_usage = self._stream_flags(body)
+        logprobs, echo = completion_logprobs(body)
         try:
-            params = sampling_params_from(body, ("max_tokens",), 16)  # OpenAI's default
+            params = sampling_params_from(body, ("max_tokens",), 16, logprobs)  # OpenAI's 16
+            if echo and logprobs is not None and params.prompt_logprobs is None:
+                params = dataclasses.replace(params, prompt_logprobs=logprobs)
         except InvalidInputError as e:
             raise bad_request(str(e), field_of(str(e))) from None
         requested = requested_max_tokens(body, ("max_tokens",))
         stream = await self.start(prompt, params, "prompt", requested)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+        def choice(index: int, text: str, finish: str | None, lps: Any) -> dict[str, Any]:
             return {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [
+                    {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+                ],
             }
+
+        def with_echo(
+            out: RequestOutput, c: CompletionOutput, start: int
+        ) -> tuple[str, dict[str, Any] | None]:
+            """The prompt (when echoed, before a choice's first tokens) and the logprobs of
+            the tokens from ``start``."""
+            prefix, ids, entries = "", c.token_ids[start:], (c.logprobs or [])[start:]
+            if echo and start == 0:
+                prefix = (
+                    out.prompt if out.prompt is not None else self._decode(out.prompt_token_ids)
+                )
+                ids = [*out.prompt_token_ids, *ids]
+                entries = [*(out.prompt_logprobs or []), *entries]
+            if logprobs is None or c.logprobs is None:
+                return prefix, None
+            return prefix, legacy_logprobs(entries, ids, logprobs, self._decode)
+
+        def chunk(
+            text: str, finish: str | None, out: RequestOutput, c: CompletionOutput, start: int
+        ) -> dict[str, Any]:
+            prefix, lps = with_echo(out, c, start)
+            return choice(c.index, prefix + text, finish, lps)
 
         if stream_flag:
             ids = ReplyIds(rid, created, "text_completion", self.model_name)
-            return self._stream(stream, params, ids, chunk, None, include_usage)
+            return self._stream(stream, params, ids, chunk, [], include_usage)
         out = await collect(stream, request)
-        body_out = chunk(out.outputs[0].text, finish_reason_of(out))
+        body_out = choice(0, "", None, None)
+        body_out["choices"] = [
+            chunk(c.text, finish_reason_of(c), out, c, 0)["choices"][0] for c in out.outputs
+        ]
         body_out["usage"] = usage_of(out)
         return JSONResponse(body_out)
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.engine.engine.tokenizer
+        return tok.decode(ids) if tok is not None else ""
 
     # -- chat --
     async def chat(self, request: Request) -> Any:
@@ -157,8 +197,9 @@ class OpenAIServer:
         messages = chat_messages(body)
         stream_flag, include_usage = self._stream_flags(body)
         names = ("max_tokens", "max_completion_tokens")
+        top = chat_logprobs(body)
         try:
-            params = sampling_params_from(body, names, None)
+            params = sampling_params_from(body, names, None, top)
         except InvalidInputError as e:
             raise bad_request(str(e), field_of(str(e))) from None
         tok = self.engine.engine.tokenizer
@@ -170,23 +211,37 @@ class OpenAIServer:
         stream = await self.start(text, params, "messages", requested, add_special_tokens=False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+        def lps_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
+            if top is None or c.logprobs is None:
+                return None
+            end = len(c.token_ids)
+            return {
+                "content": chat_logprobs_content(c.logprobs[start:end], c.token_ids[start:end], top)
+            }
+
+        def chunk(
+            index: int, delta: dict[str, str], finish: str | None, lps: Any
+        ) -> dict[str, Any]:
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                    {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
                 ],
             }
 
         if stream_flag:
             ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
-            first = chunk({"role": "assistant", "content": ""}, None)
+            first = [
+                chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(params.n)
+            ]
 
-            def text_chunk(text: str, finish: str | None) -> dict[str, Any]:
-                return chunk({"content": text} if text else {}, finish)
+            def text_chunk(
+                text: str, finish: str | None, out: RequestOutput, c: CompletionOutput, start: int
+            ) -> dict[str, Any]:
+                return chunk(c.index, {"content": text} if text else {}, finish, lps_of(c, start))
 
             return self._stream(stream, params, ids, text_chunk, first, include_usage)
         out = await collect(stream, request)
@@ -198,11 +253,12 @@ class OpenAIServer:
                 "model": self.model_name,
                 "choices": [
                     {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": out.outputs[0].text},
-                        "logprobs": None,
-                        "finish_reason": finish_reason_of(out),
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lps_of(c, 0),
+                        "finish_reason": finish_reason_of(c),
                     }
+                    for c in out.outputs
                 ],
                 "usage": usage_of(out),
             }
@@ -224,7 +280,7 @@ class OpenAIServer:
         params: SamplingParams,
         ids: ReplyIds,
         make_chunk: MakeChunk,
-        first: dict[str, Any] | None,
+        first: list[dict[str, Any]],
         include_usage: bool,
     ) -> StreamingResponse:
         def engine_failed() -> None:

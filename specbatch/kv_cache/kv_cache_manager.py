@@ -77,6 +77,16 @@ class KVCacheManager:
             self.pool.release(table[keep:])
             del table[keep:]
 
+    def fork(self, request_id: str, source_id: str, num_blocks: int) -> None:
+        """Give a request without a table the first ``num_blocks`` blocks of ``source_id``'s,
+        shared (one more owner each): they must hold only slots neither will write again."""
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already has a block table")
+        shared = self._tables[source_id][:num_blocks]
+        for b in shared:
+            self.pool.share(b)
+        self._tables[request_id] = list(shared)
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:

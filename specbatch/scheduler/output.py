@@ -14,6 +14,8 @@ class NewRequestData:
     request_id: str
     sampling_params: SamplingParams
     seed: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, for min_tokens
 
 
 @dataclass
@@ -52,17 +54,25 @@ class SchedulerOutput:
         return sum(len(r.target_token_ids) + r.num_draft for r in self.requests)
 
 
+# one position's logprobs: (the token's logprob, its rank, the top ids, their logprobs)
+PositionLogprobs = tuple[float, int, list[int], list[float]]
+
+
 @dataclass
 class RequestStepResult:
     """Per scheduled request that sampled: tokens emitted, drafts accepted, and drafts the
-    drafter proposed (at most the request's ``num_draft``; an n-gram lookup may find none)."""
+    drafter proposed (at most the request's ``num_draft``; an n-gram lookup may find none);
+    with ``logprobs``, one entry per emitted token."""
 
     token_ids: list[int]
     num_accepted: int
     num_proposed: int
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
 class StepResult:
     results: dict[str, RequestStepResult] = field(default_factory=dict)
+    # request id -> (position of the first prompt token scored, one entry per token from there)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds spent per phase, rank 0

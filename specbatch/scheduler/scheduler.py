@@ -72,14 +72,23 @@ class Scheduler:
         self._known_to_worker: set[str] = set()
         self._forget: list[str] = []
         self._draft_idle = False  # the last policy call wanted no drafts at all
+        self._forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork it
+        self._sampled_once: set[str] = set()  # fork sources that sampled once, not yet ready
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue a request. With ``fork_of`` (a request of the same prompt, e.g. another of
+        ``n`` completions) it waits until that one's target and drafter have processed the
+        prompt's full blocks, then shares those blocks and computes only the rest."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        source = self.requests.get(fork_of) if fork_of is not None else None
+        if source is not None and self._shareable(source) > 0:
+            self._forks.setdefault(source.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []
@@ -88,7 +97,12 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             if req.status is RequestStatus.WAITING:
-                self.waiting.remove(req)
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                else:  # waiting to fork
+                    for pending in self._forks.values():
+                        if req in pending:
+                            pending.remove(req)
             else:
                 self.running.remove(req)
             req.finish_reason = FinishReason.ABORT
@@ -97,7 +111,7 @@ class Scheduler:
         return aborted
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or any(self._forks.values()))
 
     @property
     def num_waiting(self) -> int:
@@ -125,7 +139,7 @@ class Scheduler:
             rid = req.request_id
             if rid not in self._known_to_worker:
                 self._known_to_worker.add(rid)
-                out.new_requests.append(NewRequestData(rid, req.sampling_params, req.seed))
+                out.new_requests.append(self._new_request_data(req))
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
@@ -143,6 +157,16 @@ class Scheduler:
                 )
             )
         return out
+
+    @staticmethod
+    def _new_request_data(req: Request) -> NewRequestData:
+        sp = req.sampling_params
+        banned = list(sp.stop_token_ids or [])
+        if sp.min_tokens and not sp.ignore_eos:
+            banned.extend(sorted(req.eos_token_ids))
+        return NewRequestData(
+            req.request_id, sp, req.seed, req.prompt_token_ids, banned if sp.min_tokens else []
+        )
 
     def _draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
         """What the drafter's KV cache catches up on this step (see ``draft_input``)."""
@@ -238,6 +262,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the request's cache and requeue it at the front."""
+        if req.request_id in self._forks:
+            self._fork_waiting(req)  # while its blocks are still there
         self.kv.free(req.request_id)
         req.num_computed = 0
         req.num_draft_computed = 0
@@ -255,6 +281,8 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            if sr.request_id in result.prompt_logprobs:
+                self._add_prompt_logprobs(req, *result.prompt_logprobs[sr.request_id])
             base = sr.target_start + len(sr.target_token_ids)
             drafted_into = sr.draft_start + len(sr.draft_token_ids) + max(sr.num_draft - 1, 0)
             if self.draft_input == "features":  # the head kept only the target's positions
@@ -266,14 +294,22 @@ class Scheduler:
             r = result.results[sr.request_id]
             req.num_computed = base + r.num_accepted
             req.num_draft_computed = min(drafted_into, req.num_computed)
+            if req.request_id in self._forks:
+                # an EAGLE head catches up on the prompt one step after the target
+                if self._ready_to_fork(req) or req.request_id in self._sampled_once:
+                    self._fork_waiting(req)
+                else:
+                    self._sampled_once.add(req.request_id)
             if r.num_proposed:
                 req.spec.record(r.num_proposed, r.num_accepted)
                 req.draft_lengths.append(r.num_proposed)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            for tok in r.token_ids:
+            for k, tok in enumerate(r.token_ids):
                 req.token_times.append(now)
+                if r.logprobs is not None:
+                    req.output_logprobs.append(r.logprobs[k])
                 if self.stop_checker.append(req, tok):
                     break
             if req.finish_reason is not None:
@@ -284,9 +320,48 @@ class Scheduler:
             touched.append(req)
         return touched
 
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, first: int, entries: list) -> None:
+        """Keep the prompt logprobs of positions not yet kept (a recomputed prompt repeats
+        them)."""
+        have = len(req.prompt_logprobs) + 1  # the next position to keep
+        if first <= have < first + len(entries):
+            req.prompt_logprobs.extend(entries[have - first :])
+
+    def _shareable(self, req: Request) -> int:
+        """Slots of ``req``'s prompt a fork could share: its full blocks before the last
+        prompt token (which the fork computes itself, to sample from)."""
+        bs = self.kv.block_size
+        return (req.num_prompt_tokens - 1) // bs * bs
+
+    def _filled(self, req: Request) -> int:
+        """Positions both the target's and the drafter's caches hold for ``req``."""
+        if self.draft_input == "none":
+            return req.num_computed
+        return min(req.num_computed, req.num_draft_computed)
+
+    def _ready_to_fork(self, req: Request) -> bool:
+        return self._filled(req) >= self._shareable(req)
+
+    def _fork_waiting(self, source: Request) -> None:
+        """Start the requests waiting to fork ``source``: shared blocks where its caches are
+        filled, from scratch where they are not (it finished or was preempted first)."""
+        self._sampled_once.discard(source.request_id)
+        bs = self.kv.block_size
+        shared = min(self._filled(source), self._shareable(source)) // bs * bs
+        if not self.kv.has_table(source.request_id):
+            shared = 0
+        for req in reversed(self._forks.pop(source.request_id, [])):
+            if shared:
+                self.kv.fork(req.request_id, source.request_id, shared // self.kv.block_size)
+            req.num_computed = req.num_draft_computed = shared
+            self.waiting.appendleft(req)
+
     def _finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
         req.finished_time = time.monotonic()
+        if req.request_id in self._forks:
+            self._fork_waiting(req)
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_worker:

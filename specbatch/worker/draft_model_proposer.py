@@ -11,7 +11,6 @@ from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.scheduler.output import NewRequestData
 from specbatch.worker.model_runner import ModelRunner, build_inputs
 from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
-from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
 
 class DraftModelProposer:
@@ -80,15 +79,7 @@ class DraftModelProposer:
         )
         active = proposers
         for j in range(g_max):
-            idx = torch.tensor(active, dtype=torch.int64, device=self.device)
-            if out.probs is None:
-                tokens = logits.argmax(dim=-1)
-            else:
-                st = SamplingTensors.from_params([step.params[i] for i in active], self.device)
-                probs = logits_to_probs(logits, st)
-                tokens = sample(probs, step.uniforms[idx, j])
-                out.probs[idx, j] = probs
-            out.tokens[idx, j] = tokens
+            tokens = step.draw(logits, active, j, out)
             still = [i for i in active if gammas[i] > j + 1]
             if not still:
                 break

@@ -21,7 +21,6 @@ from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
 from specbatch.worker.model_runner import ModelRunner, build_inputs
 from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
-from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
 
 class EagleProposer:
@@ -110,16 +109,7 @@ class EagleProposer:
         rows = torch.tensor([last[sampling[i].request_id] for i in active], dtype=torch.int64)
         feature, hidden = feature.index_select(0, rows), hidden.index_select(0, rows)
         for j in range(g_max):
-            idx = torch.tensor(active, dtype=torch.int64, device=self.device)
-            logits = self.head.compute_logits(hidden)
-            if out.probs is None:
-                tokens = logits.argmax(dim=-1)
-            else:
-                st = SamplingTensors.from_params([step.params[i] for i in active], self.device)
-                probs = logits_to_probs(logits, st)
-                tokens = sample(probs, step.uniforms[idx, j])
-                out.probs[idx, j] = probs
-            out.tokens[idx, j] = tokens
+            tokens = step.draw(self.head.compute_logits(hidden), active, j, out)
             keep = [k for k, i in enumerate(active) if gammas[i] > j + 1]
             if not keep:
                 break

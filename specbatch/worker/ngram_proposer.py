@@ -36,11 +36,15 @@ class NgramIndex:
                     table[tuple(self.tokens[t - n : t])] = t
             self.tokens.append(tok)
 
-    def sync(self, start: int, tokens: list[int]) -> None:
+    def sync(self, start: int, tokens: list[int], prompt: list[int] | None = None) -> None:
         """Tokens ``start ..`` of the request as the target sees them this step. Tokens never
         change once known, so only those past the end are new (a preempted request resends
-        its prompt: nothing to do)."""
+        its prompt: nothing to do). A request that starts past its first tokens (it shares
+        another's cache) takes those from its ``prompt``."""
         known = len(self.tokens)
+        if start > known:
+            self.extend((prompt or [])[known:start])
+            known = start
         if start + len(tokens) > known:
             self.extend(tokens[max(0, known - start) :])
 
@@ -62,6 +66,7 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
         self.device = device
         self.index: dict[str, NgramIndex] = {}
+        self.prompts: dict[str, list[int]] = {}
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 0
@@ -71,13 +76,16 @@ class NgramProposer:
 
     def add_request(self, new: NewRequestData) -> None:
         self.index[new.request_id] = NgramIndex(self.n_min, self.n_max)
+        self.prompts[new.request_id] = new.prompt_token_ids
 
     def finish_request(self, request_id: str) -> None:
         self.index.pop(request_id, None)
+        self.prompts.pop(request_id, None)
 
     def propose(self, step: DraftRound) -> Proposal:
         for r in step.requests:
-            self.index[r.request_id].sync(r.target_start, r.target_token_ids)
+            rid = r.request_id
+            self.index[rid].sync(r.target_start, r.target_token_ids, self.prompts[rid])
         drafts = [
             self.index[r.request_id].propose(g) if g > 0 else []
             for r, g in zip(step.sampling, step.gammas, strict=True)

@@ -13,6 +13,8 @@ import torch
 
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
+from specbatch.worker.penalties import Penalties
+from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
 
 @dataclass
@@ -25,6 +27,26 @@ class DraftRound:
     params: list[SamplingParams]  # their sampling parameters
     uniforms: torch.Tensor  # [len(sampling), max(gammas)]: one draw per draft position
     greedy: bool  # every request of ``sampling`` is greedy
+    penalties: Penalties | None = None  # the histories of ``sampling``, if any is penalised
+
+    def draw(self, logits: torch.Tensor, active: list[int], j: int, out: Proposal) -> torch.Tensor:
+        """Draft ``j`` of the requests ``active`` (indices into ``sampling``) from the drafter's
+        logits [len(active), V]: penalised for the history and drafts ``0 .. j-1``, then the
+        argmax (greedy) or a sample under each request's transforms, whose q is kept in
+        ``out.probs``. Writes the tokens into ``out.tokens`` and returns them."""
+        idx = torch.tensor(active, dtype=torch.int64, device=out.tokens.device)
+        if self.penalties is not None:
+            before = torch.full_like(idx, j)
+            logits = self.penalties.apply(logits, idx, out.tokens[idx, :j], before)
+        if out.probs is None:
+            tokens = logits.argmax(dim=-1)
+        else:
+            st = SamplingTensors.from_params([self.params[i] for i in active], logits.device)
+            probs = logits_to_probs(logits, st)
+            tokens = sample(probs, self.uniforms[idx, j])
+            out.probs[idx, j] = probs
+        out.tokens[idx, j] = tokens
+        return tokens
 
 
 @dataclass
