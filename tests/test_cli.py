@@ -161,6 +161,26 @@ def test_generate_jsonl_overrides_with_draft(
     assert by_index[2]["spec_rounds"] >= 1 and "acceptance_rate" in by_index[2]
 
 
+def test_generate_n_logprobs_and_penalties(models: dict[str, Path], tmp_path: Path) -> None:
+    lines = [
+        {"prompt": "Hello", "n": 3, "logprobs": 2, "presence_penalty": 0.5, "min_tokens": 2},
+        {"prompt": "world", "repetition_penalty": 1.3, "temperature": 0},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert _generate(models, prompts, out, "--frequency-penalty", "0.2") == 0
+    by_index = {r["index"]: r for r in _records(out)}
+    first = by_index[0]
+    assert len(first["completions"]) == 3 and first["num_output_tokens"] == 12
+    assert first["completions"][0]["token_ids"] == first["token_ids"]
+    for c in first["completions"]:
+        assert len(c["token_logprobs"]) == len(c["top_logprobs"]) == 4
+        assert all(2 <= len(top) <= 3 for top in c["top_logprobs"])
+        assert c["cumulative_logprob"] == pytest.approx(sum(c["token_logprobs"]), abs=1e-4)
+    assert "completions" not in by_index[1] and "token_logprobs" not in by_index[1]
+
+
 def test_malformed_lines_are_reported_and_skipped(
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -30,7 +30,7 @@ def llm(make_checkpoint):
         (dict(frequency_penalty=-3), "frequency_penalty must be in [-2, 2]"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
         (dict(min_tokens=-1), "min_tokens must be >= 0"),
-        (dict(min_tokens=5, max_tokens=3), "must be at most max_tokens (3)"),
+        (dict(min_tokens=5, max_tokens=3), "must be at most max_tokens"),
         (dict(logprobs=21), "logprobs must be in [0, 20]"),
         (dict(prompt_logprobs=-1), "prompt_logprobs must be in [0, 20]"),
         (dict(seed=2**70), "seed must be in"),

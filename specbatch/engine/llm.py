@@ -111,7 +111,7 @@ class LLM:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
-                        tokens += len(out.outputs[0].token_ids)
+                        tokens += sum(len(c.token_ids) for c in out.outputs)
                         if bar is not None:
                             bar.update(1)
                             rate = tokens / max(time.perf_counter() - start, 1e-9)

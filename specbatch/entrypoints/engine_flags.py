@@ -192,6 +192,13 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("max_tokens", int, "most tokens to generate per request", metavar="N"),
     Flag("min_tokens", int, "no EOS or stop token before this many tokens", metavar="N"),
+    Flag("n", int, "completions per prompt (they share the prompt's KV blocks)", metavar="N"),
+    Flag(
+        "logprobs",
+        int,
+        "record each output token's logprob and the K most likely tokens (0-20)",
+        metavar="K",
+    ),
     Flag(
         "presence_penalty",
         float,
@@ -318,6 +325,8 @@ SAMPLING_FIELDS = (
     "min_p",
     "max_tokens",
     "min_tokens",
+    "n",
+    "logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",

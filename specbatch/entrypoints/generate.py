@@ -35,13 +35,16 @@ FILE formats (chosen by extension):
           interpreted, and blank lines are skipped. Use .jsonl for multi-line prompts.
   .jsonl  one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [1, 2, 3]},
           optionally "id" (copied to the output) and per-line sampling fields that override
-          the flags: temperature, top_p, top_k, min_p, max_tokens, seed, stop,
+          the flags: temperature, top_p, top_k, min_p, max_tokens, min_tokens, n, logprobs,
+          presence_penalty, frequency_penalty, repetition_penalty, seed, stop,
           stop_token_ids, ignore_eos.
 
 Each output line holds "index" (the prompt's position among FILE's non-blank lines, from 0,
 malformed lines included), "id", "prompt", "text", "token_ids", "finish_reason",
 "num_prompt_tokens", "num_output_tokens", "ttft_s", "e2e_s" and, when speculating,
-"acceptance_rate" and "mean_tokens_per_round".
+"acceptance_rate" and "mean_tokens_per_round". With logprobs: "token_logprobs",
+"top_logprobs" and "cumulative_logprob"; with n > 1, "completions" holds all n (text,
+token ids, finish reason, logprobs), the first also at the top level.
 
 Malformed lines are reported as FILE:LINE: message and skipped; the others still run, and the
 exit status is then 1. Random sampling is reproducible: a prompt without its own "seed" uses

@@ -9,7 +9,7 @@ from typing import Any
 
 from specbatch.entrypoints.prompts_file import PromptLine, PromptsFile
 from specbatch.errors import InvalidInputError
-from specbatch.outputs import RequestOutput
+from specbatch.outputs import CompletionOutput, RequestOutput
 
 
 class ResultsFile:
@@ -113,6 +113,22 @@ def _rounded(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
+def _completion(c: CompletionOutput, has_tokenizer: bool) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "text": c.text if has_tokenizer else None,
+        "token_ids": list(c.token_ids),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if c.logprobs is not None:  # per token: its logprob; {id: logprob} of the top K and it
+        fields["cumulative_logprob"] = _rounded(c.cumulative_logprob)
+        fields["token_logprobs"] = [_rounded(e[t].logprob) for e, t in zip(c.logprobs, c.token_ids)]
+        fields["top_logprobs"] = [
+            {str(i): _rounded(v.logprob) for i, v in e.items()} for e in c.logprobs
+        ]
+    return fields
+
+
 def result_record(
     line: PromptLine, out: RequestOutput, has_tokenizer: bool, speculative: bool
 ) -> dict[str, Any]:
@@ -124,13 +140,12 @@ def result_record(
     }
     if not isinstance(line.prompt, str):
         record["prompt_token_ids"] = list(line.prompt)
+    record.update(_completion(c, has_tokenizer))
+    if len(out.outputs) > 1:  # n > 1: every completion, the first one too
+        record["completions"] = [_completion(o, has_tokenizer) for o in out.outputs]
     record.update(
-        text=c.text if has_tokenizer else None,
-        token_ids=list(c.token_ids),
-        finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
         num_prompt_tokens=m.num_prompt_tokens,
-        num_output_tokens=len(c.token_ids),
+        num_output_tokens=sum(len(o.token_ids) for o in out.outputs),
         ttft_s=_rounded(m.time_to_first_token),
         e2e_s=_rounded(m.e2e_latency),
         tpot_s=_rounded(m.time_per_output_token),
