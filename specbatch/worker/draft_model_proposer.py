@@ -9,7 +9,7 @@ import torch
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.scheduler.output import NewRequestData
-from specbatch.worker.model_runner import ModelRunner, build_inputs
+from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
 
 
@@ -46,56 +46,23 @@ class DraftModelProposer:
         pass
 
     def propose(self, step: DraftRound) -> Proposal:
-        sampling, gammas = step.sampling, step.gammas
-        g_max = max(gammas, default=0)
-        out = Proposal.empty(len(sampling), g_max, self.device)
-        # Catch-up: every request's unseen tokens; logits at the last one of each proposer.
-        catch = [r for r in step.requests if r.draft_token_ids]
-        if not catch:
+        out = step.proposal(self.config.target.vocab_size, self.device)
+        catch = step.catch_up(self.config.block_size, self.device)
+        if catch is None:
             return out
-        if not step.greedy:
-            vocab = self.config.target.vocab_size
-            out.probs = torch.zeros(
-                (len(sampling), g_max, vocab), dtype=torch.float32, device=self.device
-            )
-        proposers = [i for i, g in enumerate(gammas) if g > 0]
+        sampling, gammas = step.sampling, step.gammas
+        active = [i for i, g in enumerate(gammas) if g > 0]
         out.counts = list(gammas)
-        ends: dict[str, int] = {}
-        ids: list[int] = []
-        for r in catch:
-            ids.extend(r.draft_token_ids)
-            ends[r.request_id] = len(ids) - 1
-        inputs = build_inputs(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            [len(r.draft_token_ids) for r in catch],
-            [r.draft_start for r in catch],
-            [r.block_table for r in catch],
-            self.config.block_size,
-            self.device,
-        )
-        rows = [ends[sampling[i].request_id] for i in proposers]
+        rows = [catch.last_row[sampling[i].request_id] for i in active]
         logits = self.runner.forward(
-            inputs, torch.tensor(rows, dtype=torch.int64, device=self.device)
+            catch.inputs, torch.tensor(rows, dtype=torch.int64, device=self.device)
         )
-        active = proposers
-        for j in range(g_max):
+        first = [r.target_start + len(r.target_token_ids) for r in sampling]
+        for j in range(max(gammas, default=0)):
             tokens = step.draw(logits, active, j, out)
-            still = [i for i in active if gammas[i] > j + 1]
-            if not still:
+            nxt = step.next_pass(tokens, active, j, first, self.config.block_size)
+            if nxt is None:
                 break
-            keep = torch.tensor(
-                [k for k, i in enumerate(active) if gammas[i] > j + 1],
-                dtype=torch.int64,
-                device=self.device,
-            )
-            active = still
-            inputs = build_inputs(
-                tokens.index_select(0, keep),
-                [1] * len(active),
-                [sampling[i].target_start + len(sampling[i].target_token_ids) + j for i in active],
-                [sampling[i].block_table for i in active],
-                self.config.block_size,
-                self.device,
-            )
+            active, _, inputs = nxt
             logits = self.runner.forward(inputs, torch.arange(len(active), device=self.device))
         return out

@@ -19,7 +19,7 @@ from specbatch.model.eagle import TargetParts, load_eagle_head
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
-from specbatch.worker.model_runner import ModelRunner, build_inputs
+from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
 
 
@@ -76,56 +76,32 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, step: DraftRound) -> Proposal:
-        sampling, gammas = step.sampling, step.gammas
-        g_max = max(gammas, default=0)
-        out = Proposal.empty(len(sampling), g_max, self.device)
-        catch = [r for r in step.requests if r.draft_token_ids]
-        if not catch:
+        out = step.proposal(self.config.target.vocab_size, self.device)
+        catch = step.catch_up(self.config.block_size, self.device)
+        if catch is None:
             return out
-        if not step.greedy:
-            vocab = self.config.target.vocab_size
-            out.probs = torch.zeros((len(sampling), g_max, vocab), dtype=torch.float32)
-        ids: list[int] = []
-        last: dict[str, int] = {}
-        for r in catch:
-            ids.extend(r.draft_token_ids)
-            last[r.request_id] = len(ids) - 1
-        inputs = build_inputs(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            [len(r.draft_token_ids) for r in catch],
-            [r.draft_start for r in catch],
-            [r.block_table for r in catch],
-            self.config.block_size,
-            self.device,
-        )
-        features = self.head.from_target(torch.cat([self._features(r) for r in catch]))
+        inputs = catch.inputs
+        features = self.head.from_target(torch.cat([self._features(r) for r in catch.requests]))
         feature, hidden = self.head(
             inputs.input_ids, features, inputs.positions, self.kv_caches[0], inputs.meta
         )
+        sampling, gammas = step.sampling, step.gammas
         active = [i for i, g in enumerate(gammas) if g > 0]
         if not active:
             return out
         out.counts = list(gammas)
-        rows = torch.tensor([last[sampling[i].request_id] for i in active], dtype=torch.int64)
+        rows = torch.tensor([catch.last_row[sampling[i].request_id] for i in active])
         feature, hidden = feature.index_select(0, rows), hidden.index_select(0, rows)
-        for j in range(g_max):
+        first = [r.draft_start + len(r.draft_token_ids) for r in sampling]
+        for j in range(max(gammas)):
             tokens = step.draw(self.head.compute_logits(hidden), active, j, out)
-            keep = [k for k, i in enumerate(active) if gammas[i] > j + 1]
-            if not keep:
+            nxt = step.next_pass(tokens, active, j, first, self.config.block_size)
+            if nxt is None:
                 break
-            sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
-            active = [active[k] for k in keep]
-            inputs = build_inputs(
-                tokens.index_select(0, sel),
-                [1] * len(active),
-                [sampling[i].draft_start + len(sampling[i].draft_token_ids) + j for i in active],
-                [sampling[i].block_table for i in active],
-                self.config.block_size,
-                self.device,
-            )
+            active, keep, inputs = nxt
             feature, hidden = self.head(
                 inputs.input_ids,
-                feature.index_select(0, sel),
+                feature.index_select(0, keep),
                 inputs.positions,
                 self.kv_caches[0],
                 inputs.meta,

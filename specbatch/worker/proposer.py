@@ -13,6 +13,7 @@ import torch
 
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
+from specbatch.worker.model_runner import ForwardInputs, build_inputs
 from specbatch.worker.penalties import Penalties
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
@@ -28,6 +29,56 @@ class DraftRound:
     uniforms: torch.Tensor  # [len(sampling), max(gammas)]: one draw per draft position
     greedy: bool  # every request of ``sampling`` is greedy
     penalties: Penalties | None = None  # the histories of ``sampling``, if any is penalised
+
+    def proposal(self, vocab: int, device: torch.device) -> Proposal:
+        """No drafts yet, with room for them (and for q, unless the step is greedy)."""
+        g_max = max(self.gammas, default=0)
+        out = Proposal.empty(len(self.sampling), g_max, device)
+        if not self.greedy:
+            out.probs = torch.zeros((len(self.sampling), g_max, vocab), device=device)
+        return out
+
+    def catch_up(self, block_size: int, device: torch.device) -> CatchUp | None:
+        """One ragged pass over every request's tokens the drafter has not seen, or None."""
+        catch = [r for r in self.requests if r.draft_token_ids]
+        if not catch:
+            return None
+        ids: list[int] = []
+        last: dict[str, int] = {}
+        for r in catch:
+            ids.extend(r.draft_token_ids)
+            last[r.request_id] = len(ids) - 1
+        inputs = build_inputs(
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            [len(r.draft_token_ids) for r in catch],
+            [r.draft_start for r in catch],
+            [r.block_table for r in catch],
+            block_size,
+            device,
+        )
+        return CatchUp(catch, inputs, last)
+
+    def next_pass(
+        self, tokens: torch.Tensor, active: list[int], j: int, first_position: list[int],
+        block_size: int,
+    ) -> tuple[list[int], torch.Tensor, ForwardInputs] | None:  # fmt: skip
+        """After draft ``j`` of ``active`` (``tokens``): the requests that draft again, their
+        rows among ``active``, and the one-token pass reading their draft ``j``, at position
+        ``first_position[i] + j`` of request ``i``; None when none drafts again."""
+        keep = [k for k, i in enumerate(active) if self.gammas[i] > j + 1]
+        if not keep:
+            return None
+        rows = torch.tensor(keep, dtype=torch.int64, device=tokens.device)
+        still = [active[k] for k in keep]
+        inputs = build_inputs(
+            tokens.index_select(0, rows),
+            [1] * len(still),
+            [first_position[i] + j for i in still],
+            [self.sampling[i].block_table for i in still],
+            block_size,
+            tokens.device,
+        )
+        return still, rows, inputs
 
     def draw(self, logits: torch.Tensor, active: list[int], j: int, out: Proposal) -> torch.Tensor:
         """Draft ``j`` of the requests ``active`` (indices into ``sampling``) from the drafter's
@@ -47,6 +98,15 @@ class DraftRound:
             out.probs[idx, j] = probs
         out.tokens[idx, j] = tokens
         return tokens
+
+
+@dataclass
+class CatchUp:
+    """A drafter's pass over the tokens it has not seen (positions ``draft_start ..``)."""
+
+    requests: list[ScheduledRequest]
+    inputs: ForwardInputs
+    last_row: dict[str, int]  # request id -> the row of its last token in the pass
 
 
 @dataclass
