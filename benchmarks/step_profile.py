@@ -3,9 +3,11 @@ sampling and rejection, building the step's inputs, scheduling, and the engine's
 
 For each batch size and draft length, B requests of the built-in pair (64-token prompts from
 the held-out stdlib files, greedy) are brought to steady decoding, then ``--steps`` steps are
-timed with light wrappers around the engine's functions (about a microsecond a call). The
-matrix-multiply share is also set against the float32 bound: the step's linear-layer FLOPs at
-the best rate measured for those row counts in this run.
+timed with light wrappers around the engine's functions (about a microsecond a call):
+"worker" is the worker's own Python between them, "inputs" building the forward's inputs.
+"bound" is the matrix-multiply bound as a share of the step: the target's linear-layer FLOPs
+of the step at the best rate (torch's or the kernel's) measured for those row counts in this
+run, over the step's time.
 
     python benchmarks/step_profile.py [--batch-sizes 1 8 64] [--draft-lengths 0 2] \
         [--steps 40] [--dtype float32] [--out bench_results/step_profile.json]
@@ -27,7 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, format_table, machine_info, set_threads, write_json
 
-PHASES = ("matmul", "attention", "layer ops", "sampling", "inputs", "scheduling", "engine")
+PHASES = (
+    "matmul", "attention", "layer ops", "sampling", "inputs", "worker", "scheduling", "engine"
+)  # fmt: skip
+LAYER_OPS = ("rms_norm", "head_rms_norm_", "rope_", "silu_and_mul")
 
 
 class Clock:
@@ -73,10 +78,12 @@ def instrumented(clock: Clock) -> Iterator[None]:
         (LLMEngine, "step", "engine"),
         (Scheduler, "schedule", "scheduling"),
         (Scheduler, "update", "scheduling"),
-        (worker.Worker, "execute", "inputs"),
+        (worker.Worker, "execute", "worker"),
         (LlamaForCausalLM, "forward", "layer ops"),
         (LlamaForCausalLM, "compute_logits", "layer ops"),
         (cpu.CpuKernels, "linear", "matmul"),
+        *((cpu.CpuKernels, op, "layer ops") for op in LAYER_OPS),
+        (cpu.CpuKernels, "write_kv", "attention"),
         (F, "linear", "matmul"),
         (cpu_attention.CpuAttentionBackend, "forward", "attention"),
         (attention.TorchAttentionBackend, "forward", "attention"),
@@ -162,6 +169,8 @@ def profile_cell(batch: int, k: int, steps: int, dtype: str, prompts: list[list[
     phases = {p: clock.seconds.get(p, 0.0) / steps for p in PHASES}
     phases["engine"] += max(0.0, wall - accounted) / steps  # the loop between steps
     flops = linear_flops_per_token(engine)
+    rows = batch * (k + 1)  # the target's rows in a decoding step
+    rate = best_linear_rate(rows, engine)
     engine.abort_request([r for r in list(engine.scheduler.requests)])
     llm.shutdown()
     return {
@@ -171,6 +180,8 @@ def profile_cell(batch: int, k: int, steps: int, dtype: str, prompts: list[list[
         "step_ms": wall / steps * 1e3,
         "phases_ms": {p: v * 1e3 for p, v in phases.items()},
         "linear_flops_per_token": flops,
+        "best_linear_gflops": rate / 1e9,
+        "matmul_bound_ms": flops * rows / rate * 1e3,
         "emitted_requests": tokens,
         "generated_tokens": emitted,
     }
@@ -205,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             cells.append(profile_cell(b, k, args.steps, args.dtype, prompts))
             c = cells[-1]
             print(f"batch {b} k {k}: {c['step_ms']:.2f} ms a step", flush=True)
-    headers = ["batch", "k", "step ms", *PHASES]
+    headers = ["batch", "k", "step ms", *PHASES, "bound"]
     rows = []
     for c in cells:
         ph = c["phases_ms"]
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                 c["k"],
                 f"{c['step_ms']:.2f}",
                 *(f"{ph[p]:.2f} ({ph[p] / c['step_ms']:.0%})" for p in PHASES),
+                f"{c['matmul_bound_ms'] / c['step_ms']:.0%}",
             ]
         )
     print()
