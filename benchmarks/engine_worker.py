@@ -69,12 +69,9 @@ class SpecbatchEngine:
         from specbatch import LLM
 
         cfg = spec_config(args)
-        kwargs: dict[str, Any] = {"num_speculative_tokens": 0}
-        if cfg is not None:
-            kwargs = {
-                "draft_model": cfg["model"],
-                "num_speculative_tokens": cfg["num_speculative_tokens"],
-            }
+        kwargs: dict[str, Any] = {"speculative_config": cfg}
+        if cfg is None:
+            kwargs = {"num_speculative_tokens": 0}
         self.llm = LLM(
             model=args.target,
             dtype=args.dtype,

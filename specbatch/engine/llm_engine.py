@@ -85,6 +85,7 @@ class LLMEngine:
         self._group_of: dict[str, str] = {}  # completion's request id -> request id
         self._done: dict[str, CompletionOutput] = {}  # finished completions of open groups
         self._logprobs: dict[str, list[PositionLogprobDict]] = {}  # converted so far
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -266,9 +267,18 @@ class LLMEngine:
         return out
 
     def _decoder(self) -> Any:
-        """Token id -> its text (None without a tokenizer)."""
-        tok = self.tokenizer
-        return None if tok is None else lambda t: tok.decode([t])
+        """Token id -> its text, decoded once per id (None without a tokenizer)."""
+        tok, texts = self.tokenizer, self._token_texts
+        if tok is None:
+            return None
+
+        def decode(t: int) -> str:
+            text = texts.get(t)
+            if text is None:
+                text = texts[t] = tok.decode([t])
+            return text
+
+        return decode
 
     def _forget(self, req: Request) -> None:
         self.stop_checker.forget(req.request_id)
