@@ -23,3 +23,24 @@ def position_logprobs(
         chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), ks
     )
     return [(lp, rank, tid[:k], tv[:k]) for lp, rank, tid, tv, k in rows]
+
+
+def emitted_logprobs(
+    logprobs: torch.Tensor, first_rows: dict[int, int], ks: list[int], emitted: list[list[int]]
+) -> dict[int, list[PositionLogprobs]]:
+    """Request index -> its logprobs at each token it emitted: request i's verified rows
+    start at ``first_rows[i]`` of ``logprobs`` [L, V], one per position of its round, and it
+    asks for ``ks`` alternatives (in ``first_rows``' order)."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    k_rows: list[int] = []
+    for (i, first), k in zip(first_rows.items(), ks, strict=True):
+        rows.extend(range(first, first + len(emitted[i])))
+        tokens.extend(emitted[i])
+        k_rows.extend([k] * len(emitted[i]))
+    index = torch.tensor(rows, dtype=torch.int64, device=logprobs.device)
+    flat = position_logprobs(logprobs.index_select(0, index), tokens, k_rows)
+    out, at = {}, 0
+    for i in first_rows:
+        out[i], at = flat[at : at + len(emitted[i])], at + len(emitted[i])
+    return out

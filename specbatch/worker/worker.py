@@ -30,7 +30,7 @@ from specbatch.scheduler.output import (
 )
 from specbatch.worker.draft_model_proposer import DraftModelProposer
 from specbatch.worker.eagle_proposer import EagleProposer
-from specbatch.worker.logprobs import position_logprobs
+from specbatch.worker.logprobs import emitted_logprobs, position_logprobs
 from specbatch.worker.model_runner import ModelRunner, build_inputs
 from specbatch.worker.ngram_proposer import NgramProposer
 from specbatch.worker.penalties import History, Penalties
@@ -177,7 +177,10 @@ class Worker:
                 history.append(toks)
         if self.proposer is not None:
             self.proposer.observe(step, emitted, [row[0] for row in host], verified.target_pass)
-        logprobs = self._emitted_logprobs(verified, params, emitted)
+        logprobs = {}
+        if verified.logprobs is not None:
+            ks = [params[i].logprobs or 0 for i in verified.logprob_rows]
+            logprobs = emitted_logprobs(verified.logprobs, verified.logprob_rows, ks, emitted)
         t3 = time.perf_counter()
         results = {
             r.request_id: RequestStepResult(toks, row[0], n, logprobs.get(i))
@@ -185,27 +188,6 @@ class Worker:
         }
         timings = {"draft": t1 - t0, "target": t2 - t1, "sample": t3 - t2}
         return StepResult(results, timings=timings, prompt_logprobs=verified.prompt_logprobs)
-
-    @staticmethod
-    def _emitted_logprobs(
-        verified: _Verified, params: list[SamplingParams], emitted: list[list[int]]
-    ) -> dict[int, list]:
-        """Sampling index -> the target's logprobs at each token it emitted."""
-        if verified.logprobs is None:
-            return {}
-        rows: list[int] = []
-        tokens: list[int] = []
-        ks: list[int] = []
-        for i, first in verified.logprob_rows.items():
-            rows.extend(range(first, first + len(emitted[i])))
-            tokens.extend(emitted[i])
-            ks.extend([params[i].logprobs or 0] * len(emitted[i]))
-        index = torch.tensor(rows, dtype=torch.int64, device=verified.logprobs.device)
-        flat = position_logprobs(verified.logprobs.index_select(0, index), tokens, ks)
-        out, at = {}, 0
-        for i in verified.logprob_rows:
-            out[i], at = flat[at : at + len(emitted[i])], at + len(emitted[i])
-        return out
 
     def _draw_uniforms(
         self, sampling: list[ScheduledRequest], gammas: list[int], g_max: int
