@@ -191,6 +191,29 @@ def test_seeded_sampling_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), SEEDED) == token_ids(engines(name, 1), SEEDED)
 
 
+@pytest.mark.parametrize("name", ["spec", "eagle"])
+def test_penalties_logprobs_and_n_tp2_equal_tp1(engines, name: str) -> None:
+    """Every rank keeps the same histories and forks: penalised, seeded n = 2 completions
+    with their logprobs are those of TP=1 (logprobs to float rounding of the sharded sums)."""
+    params = SamplingParams(
+        temperature=0.8, max_tokens=10, ignore_eos=True, seed=3, n=2, logprobs=3,
+        presence_penalty=0.5, repetition_penalty=1.2, min_tokens=2,
+    )  # fmt: skip
+
+    def run(tp: int) -> list[Any]:
+        llm = engines(name, tp)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        return [c for o in outs for c in o.outputs]
+
+    one, two = run(1), run(2)
+    assert [c.token_ids for c in two] == [c.token_ids for c in one]
+    for a, b in zip(one, two):
+        got = [e[t].logprob for e, t in zip(b.logprobs, b.token_ids)]
+        want = [e[t].logprob for e, t in zip(a.logprobs, a.token_ids)]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
 def test_auto_decodes_as_tp1(engines) -> None:
     llm = engines("auto", 2)
     assert isinstance(llm.engine.scheduler.policy, AdaptiveDraftLength)
