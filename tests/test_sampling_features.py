@@ -188,6 +188,26 @@ def test_min_tokens_holds_back_the_stop_token(pair, method):
     assert c.token_ids[-1] == stop or len(c.token_ids) == MAX_NEW
 
 
+@pytest.mark.parametrize("method", ["plain", "draft_model"])
+def test_min_tokens_holds_back_eos(pair, make_checkpoint, method):
+    """The same weights with greedy's first token made EOS: without min_tokens the request
+    ends on it at once; with min_tokens 4 it is masked for four tokens."""
+    p = prompts(1, seed=7)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm = engine(pair, method)
+    eos = llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    target = make_checkpoint("llama", max_position_embeddings=128, eos_token_id=eos)
+    llm = engine((target, *pair[1:]), method)
+    stop_now = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    c = llm.generate({"prompt_token_ids": p}, stop_now, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == [eos] and c.finish_reason == "stop"
+    held = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=4)
+    c = llm.generate({"prompt_token_ids": p}, held, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) >= 4 and eos not in c.token_ids[:4]
+    assert c.token_ids[-1] == eos or len(c.token_ids) == MAX_NEW
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+
+
 @pytest.mark.parametrize("method", list(SPECULATION))
 def test_n_completions_share_the_prompt_blocks_and_give_them_back(pair, method):
     llm = engine(pair, method)

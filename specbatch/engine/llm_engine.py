@@ -21,6 +21,7 @@ from specbatch.outputs import (
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.adaptive import AdaptiveDraftLength
+from specbatch.scheduler.output import PositionLogprobs
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
@@ -84,7 +85,8 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # request id -> its n completions
         self._group_of: dict[str, str] = {}  # completion's request id -> request id
         self._done: dict[str, CompletionOutput] = {}  # finished completions of open groups
-        self._logprobs: dict[str, list[PositionLogprobDict]] = {}  # converted so far
+        # ("output" or "prompt", request id) -> its logprobs converted so far
+        self._logprobs: dict[tuple[str, str], list[PositionLogprobDict]] = {}
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
 
     @classmethod
@@ -210,6 +212,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         members: list[str] = []
         for rid in ids:
+            self._logprobs.pop(("prompt", rid), None)
             group = self._groups.pop(rid, None)
             if group is None:
                 members.append(rid)
@@ -254,17 +257,24 @@ class LLMEngine:
         reason = req.finish_reason.value if req.finish_reason else None
         out = CompletionOutput(index, text, list(req.output_token_ids), reason, req.stop_reason)
         if req.sampling_params.logprobs is not None:
-            converted = self._logprobs.setdefault(req.request_id, [])
-            n = len(converted)
-            tokens = req.output_token_ids[n : len(req.output_logprobs)]
-            converted.extend(logprob_dicts(req.output_logprobs[n:], tokens, self._decoder()))
-            out.logprobs = list(converted)
+            key = ("output", req.request_id)
+            out.logprobs = self._converted(key, req.output_logprobs, req.output_token_ids)
             out.cumulative_logprob = sum(e[0] for e in req.output_logprobs)
         if finished:
             self._forget(req)
             if req.request_id in self._group_of:
                 self._done[req.request_id] = out
         return out
+
+    def _converted(
+        self, key: tuple[str, str], entries: list[PositionLogprobs], tokens: list[int]
+    ) -> list[PositionLogprobDict]:
+        """``entries`` (of ``tokens``) in vLLM's shape, converting only the ones not converted
+        at an earlier step under ``key``."""
+        done = self._logprobs.setdefault(key, [])
+        n = len(done)
+        done.extend(logprob_dicts(entries[n:], tokens[n : len(entries)], self._decoder()))
+        return list(done)
 
     def _decoder(self) -> Any:
         """Token id -> its text, decoded once per id (None without a tokenizer)."""
@@ -282,24 +292,26 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self.stop_checker.forget(req.request_id)
-        self._logprobs.pop(req.request_id, None)
+        self._logprobs.pop(("output", req.request_id), None)
 
     def _output(self, rid: str, req: Request) -> RequestOutput:
         """``rid``'s output after a step that touched ``req``, one of its completions."""
         members = self._groups.get(rid) or [req]
-        completions = [self._completion(m, i) for i, m in enumerate(members)]
         first = members[0]
+        prompt_lps = None
+        if first.sampling_params.prompt_logprobs is not None:
+            key = ("prompt", rid)
+            scored = self._converted(key, first.prompt_logprobs, first.prompt_token_ids[1:])
+            prompt_lps = [None, *scored]
+        completions = [self._completion(m, i) for i, m in enumerate(members)]
         finished = all(m.is_finished for m in members)
+        if finished:
+            self._logprobs.pop(("prompt", rid), None)
         if finished and rid in self._groups:
             del self._groups[rid]
             for m in members:
                 self._group_of.pop(m.request_id, None)
                 self._done.pop(m.request_id, None)
-        prompt_lps = None
-        if first.sampling_params.prompt_logprobs is not None:
-            scored = first.prompt_logprobs
-            ids = first.prompt_token_ids[1 : 1 + len(scored)]
-            prompt_lps = [None, *logprob_dicts(scored, ids, self._decoder())]
         return RequestOutput(
             request_id=rid,
             prompt=first.prompt,
