@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS_DIR / "drafter_alpha.json"))
     args = ap.parse_args()
     rows, cells = [], []
-    for method in ("eagle", "draft_model"):
+    for method in ("eagle3", "draft_model"):
         spec = {"method": method, "num_speculative_tokens": args.k}
         llm = LLM(speculative_config=spec, max_num_seqs=args.num_prompts)
         heldout = build_workload(

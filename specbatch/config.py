@@ -264,10 +264,14 @@ class EngineArgs:
         if drafter_path is None and not ngram and k != 0 and self.model is None:
             # The built-in target speculates by default, with its EAGLE head (its draft model
             # when speculative_config asks for that method); any other target only with a
-            # drafter given.
-            if self.speculative_config is None:
-                method = "eagle"
-            drafter_path = default_model_path("draft" if method == "draft_model" else "eagle")
+            # drafter given. Either EAGLE method name picks the built-in head.
+            if method == "draft_model" and self.speculative_config is not None:
+                drafter_path = default_model_path("draft")
+            else:
+                from specbatch.model.eagle import detect_layout
+
+                drafter_path = default_model_path("eagle")
+                method = detect_layout(drafter_path)
         elif drafter_path is None and not ngram and self.speculative_config is not None:
             raise InvalidInputError(
                 f"speculative_config.model: the {method} method needs a model (only the "

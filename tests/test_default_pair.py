@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specbatch import LLM, SamplingParams
+import pytest
+
+from specbatch import LLM, EngineArgs, SamplingParams
 from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
+from specbatch.model.eagle import detect_layout
 from specbatch.tokenizer import load_tokenizer
 from tests.helpers import hf_greedy
 
@@ -17,9 +20,21 @@ PROMPTS = ["def uuid5(namespace, name):", "class Future:", "import os"]
 
 def test_pair_is_small_and_shares_a_tokenizer():
     target, draft = Path(default_model_path("target")), Path(default_model_path("draft"))
-    size = sum(f.stat().st_size for d in (target, draft) for f in d.iterdir())
-    assert size <= 32 * 2**20
+    assets = target.parent
+    size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())
+    assert size <= 35 * 2**20
     assert (target / "tokenizer.json").read_bytes() == (draft / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "eagle"}, {"method": "eagle3"}])
+def test_the_builtin_target_drafts_with_its_eagle3_head(spec):
+    """Without a model, either EAGLE method name picks the head shipped with the target."""
+    config = EngineArgs(speculative_config=spec).create_engine_config()
+    assert config.spec_method == "eagle" and config.num_speculative_tokens == 3
+    assert config.draft is not None and config.draft.path == default_model_path("eagle")
+    assert detect_layout(config.draft.path) == "eagle3"
+    draft = EngineArgs(speculative_config={"method": "draft_model"}).create_engine_config().draft
+    assert draft is not None and draft.path == default_model_path("draft")
 
 
 def test_specbatch_greedy_equals_transformers_on_the_shipped_weights():

@@ -53,7 +53,7 @@ def test_training_script_writes_a_loadable_head(trained) -> None:
     info = json.loads((head / "training.json").read_text())
     for key in ("commands", "seed", "steps", "heldout_alpha_by_step", "parameters", "loss"):
         assert key in info, key
-    assert detect_layout(head) == "eagle"
+    assert detect_layout(head) == "eagle3"
     log = (head.parent / "train_eagle.log").read_text()
     assert "features:" in log and "step 150/150" in log and "exported" in log
 
@@ -69,30 +69,57 @@ def prefill(head, ids: torch.Tensor, feats: torch.Tensor):
     return head(ids, head.from_target(feats), torch.arange(n), caches[0], meta)
 
 
-def test_eagle1_head_matches_the_training_reference(trained) -> None:
+def test_trained_head_matches_the_training_reference(trained) -> None:
+    """The exported head run by the engine computes what the training script's module did."""
     target_dir, head_dir = trained
     target = load_model(target_dir, torch.float32, "cpu")
     head = load_eagle_head(head_dir, TargetParts.of(target), target.attention_backend,
                            torch.float32, "cpu")  # fmt: skip
     tr = train_script()
     cfg = json.loads((target_dir / "config.json").read_text())
-    ref = tr.Head(cfg, json.loads((head_dir / "config.json").read_text())["intermediate_size"])
     from safetensors.torch import load_file
 
     weights = load_file(str(head_dir / "model.safetensors"))
     state = {}
     for name, value in weights.items():
-        short = name.removeprefix("layers.0.").removeprefix("self_attn.").removeprefix("mlp.")
-        state[short.removesuffix(".weight") if "layernorm" in short else short] = value.float()
+        short = name.removeprefix("midlayer.").removeprefix("self_attn.").removeprefix("mlp.")
+        if name != "d2t":
+            bare = "norm" in short or short == "lm_head.weight"  # Parameters, not Linears
+            state[short.removesuffix(".weight") if bare else short] = value.float()
+    streams = state["fc.weight"].shape[1] // cfg["hidden_size"]
+    ref = tr.Head(cfg, state["gate_proj.weight"].shape[0], streams, state["lm_head"],
+                  state["norm"])  # fmt: skip
     ref.load_state_dict(state, strict=True)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 256, (21,), generator=gen)
-    feats = torch.randn(21, 64, generator=gen)
-    got, _ = prefill(head, ids, feats)
-    x = ref.fc(torch.cat([target.model.embed_tokens(ids), feats], dim=-1))[None]
-    q, k, v = ref.qkv(x)
-    want = ref.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))[0]
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    feats = torch.randn(21, streams * cfg["hidden_size"], generator=gen)
+    pre, normed = prefill(head, ids, feats)
+    feat = ref.fc(feats)[None]
+    q, k, v = ref.qkv(target.model.embed_tokens(ids)[None], feat)
+    g = ref.finish(feat, F.scaled_dot_product_attention(q, k, v, is_causal=True))[0]
+    torch.testing.assert_close(pre, g, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(head.compute_logits(normed), ref.logits(g), atol=5e-4, rtol=5e-4)
+
+
+def test_distillation_loss_gradient_is_the_autograd_one() -> None:
+    """The training loss's hand-written gradient (KL + TV over row chunks, rows weighted)
+    against autograd through the plain formula in float64."""
+    tr = train_script()
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(600, 97, generator=gen).requires_grad_()
+    log_p = torch.log_softmax(2 * torch.randn(600, 97, generator=gen), -1)
+    w = torch.rand(600, generator=gen)
+    w[:50] = 0.0
+    w /= w.sum()
+    loss, tv = tr.DistillLoss.apply(z, log_p.exp(), log_p, w)
+    (3 * loss).backward()
+    z64, lp, w64 = z.detach().double().requires_grad_(), log_p.double(), w.double()
+    log_q = torch.log_softmax(z64, -1)
+    tv_rows = 0.5 * (log_q.exp() - lp.exp()).abs().sum(-1)
+    want = (w64 * ((lp.exp() * (lp - log_q)).sum(-1) + tv_rows)).sum()
+    (3 * want).backward()
+    assert abs(loss.item() - want.item()) < 1e-5 and abs(tv.item() - (w64 * tv_rows).sum()) < 1e-5
+    torch.testing.assert_close(z.grad, z64.grad.float(), rtol=1e-4, atol=1e-7)
 
 
 def eagle3_reference(w: dict, cfg: dict, ids, feats, embed, vocab: int) -> torch.Tensor:
@@ -193,7 +220,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], list(range(60, 95))]
 
 def test_greedy_with_the_trained_head_equals_transformers(trained) -> None:
     target, head = trained
-    llm = eagle_llm(target, head)
+    llm = eagle_llm(target, head, "eagle3")
     assert greedy_ids(llm, PROMPTS) == hf_greedy(target, PROMPTS, 24)
     spec = llm.engine.metrics.spec
     assert spec.proposed > 0 and spec.accepted > 0
@@ -212,7 +239,7 @@ def test_preemption_rebuilds_the_heads_cache(trained) -> None:
     cache is rebuilt from the target's features and the greedy output does not change."""
     target, head = trained
     prompts = [list(range(10 + i, 30 + i)) for i in range(6)]
-    small = eagle_llm(target, head, num_kv_blocks=16, max_model_len=48)
+    small = eagle_llm(target, head, "eagle3", num_kv_blocks=16, max_model_len=48)
     got = greedy_ids(small, prompts)
     assert small.engine.metrics.num_preemptions > 0
     assert got == hf_greedy(target, prompts, 24)
@@ -223,11 +250,12 @@ N = 6000
 ALPHA = 1e-3  # false-alarm rate
 
 
-def test_joint_of_first_three_tokens_is_the_targets(make_checkpoint, tmp_path) -> None:
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+def test_joint_of_first_three_tokens_is_the_targets(make_checkpoint, tmp_path, layout) -> None:
     target = make_checkpoint("llama", vocab_size=32, hidden_size=32, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, seed=3, max_position_embeddings=64)  # fmt: skip
-    head = make_eagle_head(tmp_path / "h", target, "eagle", seed=5, with_embedding=True)
-    llm = eagle_llm(target, head, k=3, seed=2, max_model_len=64)
+    head = make_eagle_head(tmp_path / "h", target, layout, seed=5, with_embedding=True)
+    llm = eagle_llm(target, head, layout, k=3, seed=2, max_model_len=64)
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
     prompt = [3, 4, 5, 6]
     outs = llm.generate([{"prompt_token_ids": prompt}] * N, params, use_tqdm=False)
@@ -242,6 +270,6 @@ def test_joint_of_first_three_tokens_is_the_targets(make_checkpoint, tmp_path) -
 
 def test_auto_with_the_trained_head_equals_transformers(trained) -> None:
     target, head = trained
-    llm = eagle_llm(target, head, k="auto")
+    llm = eagle_llm(target, head, "eagle3", k="auto")
     assert greedy_ids(llm, PROMPTS) == hf_greedy(target, PROMPTS, 24)
     assert llm.engine.metrics.spec.proposed > 0
