@@ -132,7 +132,7 @@ class BenchConfig:
     # after another, each engine alone on the machine
     interleave: str = "steps"
     # the drafter as speculative_config (its num_speculative_tokens comes from the grid);
-    # None: the draft model (``draft_model``, or the built-in pair's)
+    # None: ``draft_model``, or the built-in target's own drafter (its EAGLE head)
     speculative_config: dict[str, Any] | None = None
     workload: str = "heldout"  # "heldout" stdlib windows, or "grounded" (bench/workload.py)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more EngineArgs fields

@@ -63,10 +63,23 @@ def format_table(cells: Sequence[CellResult]) -> str:
     return "\n".join(lines)
 
 
+def drafter_label(cfg: dict) -> str:
+    """Who drafts in the grid's speculative cells."""
+    spec = cfg.get("speculative_config") or {}
+    method = spec.get("method")
+    if cfg["draft_model"] or spec.get("model"):
+        return f"{method or 'draft_model'} {cfg['draft_model'] or spec['model']}"
+    if method == "ngram":
+        return "ngram (prompt lookup)"
+    if cfg["model"] is None:
+        return "built-in " + ("draft model" if method == "draft_model" else "EAGLE head")
+    return "-"
+
+
 def format_report(result: BenchResult) -> str:
     cfg = result.config
     model = cfg["model"] or "built-in pair (target)"
-    draft = cfg["draft_model"] or ("built-in pair (draft)" if cfg["model"] is None else "-")
+    draft = drafter_label(cfg)
     lines = [
         f"specbatch bench: {model}, draft {draft}",
         f"  workload  {cfg['input_len']} input + {cfg['output_len']} output tokens per request, "
