@@ -335,9 +335,9 @@ def phase_train(args, run: Path) -> None:
     t0 = time.time()
     curve: list[tuple[int, list[float]]] = []
     step, loss = 0, torch.zeros(())
+    budget = 60 * args.minutes if args.minutes else math.inf
     for step in range(1, steps + 1):
         # the schedule runs to whichever ends first, --steps or --minutes
-        budget = 60 * args.minutes if args.minutes else math.inf
         done = max(step / steps, (time.time() - t0) / budget)
         cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
         for group in opt.param_groups:

@@ -362,3 +362,23 @@ def test_bench_mixed_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--mixed", "-1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--mixed" in err and "temperature" in err
+
+
+@pytest.mark.parametrize(
+    ("cfg", "label"),
+    [
+        ({"model": None, "draft_model": None, "speculative_config": None}, "built-in EAGLE head"),
+        ({"model": None, "draft_model": None, "speculative_config": {"method": "draft_model"}},
+         "built-in draft model"),
+        ({"model": "/t", "draft_model": None, "speculative_config": {"method": "ngram"}},
+         "ngram (prompt lookup)"),
+        ({"model": "/t", "draft_model": "/d", "speculative_config": None}, "draft_model /d"),
+        ({"model": "/t", "draft_model": None,
+          "speculative_config": {"method": "eagle3", "model": "/h"}}, "eagle3 /h"),
+        ({"model": "/t", "draft_model": None, "speculative_config": None}, "-"),
+    ],
+)  # fmt: skip
+def test_report_names_the_drafter(cfg: dict, label: str) -> None:
+    from specbatch.bench.report import drafter_label
+
+    assert drafter_label(cfg) == label
