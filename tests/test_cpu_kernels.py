@@ -33,11 +33,39 @@ def kernels() -> CpuKernels:
 # --- matrix multiply ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 704, 256), (3, 17, 7), (6, 100, 33), (70, 48, 64)])
-def test_linear_matches_torch(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+# bfloat16 multiplies run on AMX tiles where the CPU has them (K a multiple of 32), else on
+# AVX-512 dot products; both paths are tested wherever they exist.
+LINEAR_PATHS = [
+    (torch.float32, False),
+    (torch.bfloat16, False),
+    pytest.param(
+        torch.bfloat16, True,
+        marks=pytest.mark.skipif(
+            KERNELS is None or not KERNELS.amx_available, reason="no AMX on this CPU"
+        ),
+    ),
+]  # fmt: skip
+
+
+@pytest.fixture
+def amx_path(request: pytest.FixtureRequest):
+    """Sets the bfloat16 path for one test (the parametrised ``amx``) and restores it."""
+    before = kernels().amx
+    yield kernels().use_amx(request.getfixturevalue("amx"))
+    kernels().use_amx(before)
+
+
+@pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 704, 256), (3, 17, 7), (6, 100, 33), (70, 48, 64), (20, 100, 96), (17, 4096, 256)],
+)
+def test_linear_matches_torch(
+    dtype: torch.dtype, amx: bool, amx_path: bool, m: int, n: int, k: int
+) -> None:
     if not kernels().supports_linear(dtype):
         pytest.skip("no bfloat16 dot product on this CPU")
+    assert amx_path == amx
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -52,17 +80,22 @@ def test_linear_matches_torch(dtype: torch.dtype, m: int, n: int, k: int) -> Non
     torch.testing.assert_close(rounded, got.to(dtype), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_row_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
+@pytest.mark.parametrize("k", [96, 100])
+def test_linear_row_does_not_depend_on_the_batch(
+    dtype: torch.dtype, amx: bool, amx_path: bool, k: int
+) -> None:
     if not kernels().supports_linear(dtype):
         pytest.skip("no bfloat16 dot product on this CPU")
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 96, generator=gen).to(dtype)
-    packed = kernels().pack_linear(torch.randn(72, 96, generator=gen).to(dtype))
+    x = torch.randn(37, k, generator=gen).to(dtype)
+    packed = kernels().pack_linear(torch.randn(72, k, generator=gen).to(dtype))
     whole = kernels().linear(x, packed)
-    for r in (0, 5, 36):
+    for r in (0, 5, 16, 36):
         alone = kernels().linear(x[r : r + 1], packed)
         assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
+        pair = kernels().linear(x[r - 1 : r + 1] if r else x[:2], packed)
+        assert torch.equal(pair[1 if r else 0], whole[r]), f"row {r} differs in a batch of 2"
 
 
 # --- layer ops --------------------------------------------------------------------------

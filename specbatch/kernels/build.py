@@ -25,7 +25,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("module.c", "gemm.c", "layer_ops.c", "attention.c")
+SOURCES = ("module.c", "gemm.c", "gemm_amx.c", "layer_ops.c", "attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 MODULE = "_specbatch_cpu"
 

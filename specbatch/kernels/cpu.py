@@ -46,6 +46,16 @@ class CpuKernels:
         info = module.info()
         self.bf16_matmul = bool(info["bf16_dot"])
         self.max_head_dim = int(info["max_head_dim"])
+        self.amx_available = bool(info["amx"])
+        self.use_amx(_env_on("SPECBATCH_CPU_AMX"))
+
+    def use_amx(self, on: bool) -> bool:
+        """Route bfloat16 multiplies to the AMX tiles (where the CPU and the OS allow it) or to
+        the AVX-512 dot products; returns whether AMX is now used. Either way every output is
+        summed in one order whatever the batch; the two give different roundings."""
+        self.amx = on and self.amx_available
+        self._m.set_amx(int(self.amx))
+        return self.amx
 
     # ---- matrix multiplies -------------------------------------------------------------------
     def supports_linear(self, dtype: torch.dtype) -> bool:
@@ -194,10 +204,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
     """The kernels of this machine, or None (disabled, or they cannot be built: logged once)."""
-    if os.environ.get("SPECBATCH_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _env_on("SPECBATCH_CPU_KERNELS"):
         return None
     try:
         return CpuKernels(load_module())

@@ -117,9 +117,21 @@ SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, c
 }
 #endif
 
+void sb_linear_bf16_amx(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*,
+                        void*, long, int);
+
+/* Set by sb_set_amx: bfloat16 multiplies with K a multiple of 32 go to gemm_amx.c. */
+static int use_amx = 0;
+
+void sb_set_amx(int on) { use_amx = on; }
+
 /* y_f32: write float32 outputs (the LM head's logits) instead of bfloat16. */
 void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint16_t* wp,
                     const uint16_t* bias, void* y, long ldy, int y_f32) {
+    if (use_amx && K % 32 == 0) {
+        sb_linear_bf16_amx(M, N, K, x, ldx, wp, bias, y, ldy, y_f32);
+        return;
+    }
 #ifdef __AVX512BF16__
     int npanel = (N + NR - 1) / NR;
     int ngroup = (npanel + NP - 1) / NP;

@@ -48,6 +48,8 @@ void sb_write_kv(int, int, int, const void*, long, const void*, long, const int6
 void sb_paged_attention(int, const int64_t*, const int64_t*, const int64_t*, long, const void*,
                         long, int, int, int, const void*, const void*, int, float, void*, int);
 int sb_has_bf16_dot(void);
+int sb_amx_available(void);
+void sb_set_amx(int);
 int sb_attention_max_head_dim(void);
 
 #define I(k) ((int)a[k].i)
@@ -67,6 +69,7 @@ int sb_attention_max_head_dim(void);
 WRAP(linear_f32, "iiipipppi", sb_linear_f32(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), L(8)))
 WRAP(linear_bf16, "iiipipppii",
      sb_linear_bf16(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), L(8), I(9)))
+WRAP(set_amx, "i", sb_set_amx(I(0)))
 WRAP(rms_norm, "iipippfpi", sb_rms_norm(I(0), I(1), P(2), L(3), P(4), P(5), F(6), P(7), I(8)))
 WRAP(head_rms_norm, "iiipipfi", sb_head_rms_norm(I(0), I(1), I(2), P(3), L(4), P(5), F(6), I(7)))
 WRAP(rope, "iiipipppi", sb_rope(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), I(8)))
@@ -80,14 +83,14 @@ WRAP(paged_attention, "ipppipiiiippifpi",
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "max_head_dim",
-                         sb_attention_max_head_dim());
+    return Py_BuildValue("{s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
+                         sb_amx_available(), "max_head_dim", sb_attention_max_head_dim());
 }
 
 #define FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {
-    FAST(linear_f32), FAST(linear_bf16), FAST(rms_norm), FAST(head_rms_norm), FAST(rope),
-    FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention),
+    FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
+    FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
