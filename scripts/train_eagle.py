@@ -397,8 +397,8 @@ def phase_export(args, run: Path) -> None:
     for proj in ("gate_proj", "up_proj", "down_proj"):
         names[f"{proj}.weight"] = f"midlayer.mlp.{proj}.weight"
     tensors = {names[k]: v.to(torch.bfloat16).contiguous() for k, v in sd.items() if k in names}
-    # the draft vocabulary is the target's, id for id: draft id i is target id i + d2t[i]
-    tensors["d2t"] = torch.zeros(cfg["vocab_size"], dtype=torch.int64)
+    # The draft vocabulary is the target's, id for id, which a head says by having no d2t
+    # (vLLM refuses a d2t when draft_vocab_size equals the target's vocabulary).
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
     head_cfg = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -435,7 +435,7 @@ def phase_export(args, run: Path) -> None:
         "final_loss": saved["loss"],
         "train_seconds": round(saved["seconds"], 1),
         "heldout_alpha_by_step": {str(s): a for s, a in saved["curve"]},
-        "parameters": sum(v.numel() for k, v in tensors.items() if k != "d2t"),
+        "parameters": sum(v.numel() for v in tensors.values()),
         "torch": torch.__version__,
     }
     (out / "training.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -174,3 +175,14 @@ def random_paged_batch(
     v = torch.randn(t, hkv, d, generator=gen).to(dtype)
     meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
     return q, k, v, k_cache, v_cache, meta, tables
+
+
+def assert_full_vocab_head_has_no_d2t(head: Path) -> None:
+    """A head whose draft vocabulary is the target's says so by having no d2t: vLLM refuses
+    to load a d2t when draft_vocab_size equals the target's vocabulary."""
+    from safetensors import safe_open
+
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == cfg["vocab_size"]
+    with safe_open(str(head / "model.safetensors"), "pt") as f:
+        assert "d2t" not in set(f.keys())

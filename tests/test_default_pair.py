@@ -12,7 +12,7 @@ from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.model.eagle import detect_layout
 from specbatch.tokenizer import load_tokenizer
-from tests.helpers import hf_greedy
+from tests.helpers import assert_full_vocab_head_has_no_d2t, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def uuid5(namespace, name):", "class Future:", "import os"]
@@ -34,6 +34,7 @@ def test_the_builtin_target_drafts_with_its_eagle3_head(spec):
     assert config.spec_method == "eagle" and config.num_speculative_tokens == 3
     assert config.draft is not None and config.draft.path == default_model_path("eagle")
     assert detect_layout(config.draft.path) == "eagle3"
+    assert_full_vocab_head_has_no_d2t(Path(config.draft.path))
     draft = EngineArgs(speculative_config={"method": "draft_model"}).create_engine_config().draft
     assert draft is not None and draft.path == default_model_path("draft")
 

@@ -21,7 +21,7 @@ from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBa
 from specbatch.model.loader import load_model
 from specbatch.stats import chi_square_gof
 from specbatch.testing.eagle_heads import make_eagle_head
-from tests.helpers import exact_joint, hf_greedy
+from tests.helpers import assert_full_vocab_head_has_no_d2t, exact_joint, hf_greedy
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_eagle.py"
 
@@ -56,6 +56,7 @@ def test_training_script_writes_a_loadable_head(trained) -> None:
     assert detect_layout(head) == "eagle3"
     log = (head.parent / "train_eagle.log").read_text()
     assert "features:" in log and "step 150/150" in log and "exported" in log
+    assert_full_vocab_head_has_no_d2t(head)
 
 
 # --- the layouts against references ---------------------------------------------------------
