@@ -116,19 +116,20 @@ def linear_flops_per_token(engine: Any) -> float:
     return 2.0 * (layers * per_layer + h * cfg.vocab_size)
 
 
-def best_linear_rate(rows: int, engine: Any) -> float:
+def best_linear_rate(rows: int, engine: Any, dtype: str) -> float:
     """FLOP/s of the faster of torch's F.linear and the engine's kernel on the target's MLP
-    shape at ``rows`` rows (float32)."""
+    shape at ``rows`` rows, in the profile's dtype."""
     import torch
 
     from specbatch.kernels.cpu import cpu_kernels
 
     cfg = engine.config.target.hf_config
-    w = torch.randn(cfg.intermediate_size, cfg.hidden_size)
-    x = torch.randn(rows, cfg.hidden_size)
+    dt = getattr(torch, dtype)
+    w = torch.randn(cfg.intermediate_size, cfg.hidden_size).to(dt)
+    x = torch.randn(rows, cfg.hidden_size).to(dt)
     fns = [lambda: torch.nn.functional.linear(x, w)]
     k = cpu_kernels()
-    if k is not None:
+    if k is not None and k.supports_linear(dt):
         packed = k.pack_linear(w)
         fns.append(lambda: k.linear(x, packed))
     best = 0.0
@@ -170,7 +171,7 @@ def profile_cell(batch: int, k: int, steps: int, dtype: str, prompts: list[list[
     phases["engine"] += max(0.0, wall - accounted) / steps  # the loop between steps
     flops = linear_flops_per_token(engine)
     rows = batch * (k + 1)  # the target's rows in a decoding step
-    rate = best_linear_rate(rows, engine)
+    rate = best_linear_rate(rows, engine, dtype)
     engine.abort_request([r for r in list(engine.scheduler.requests)])
     llm.shutdown()
     return {
