@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specbatch.kernels.cpu import CpuKernels, cpu_kernels
-from specbatch.model.layers.attention import TorchAttentionBackend
+from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specbatch.model.layers.cpu_attention import CpuAttentionBackend
 from specbatch.model.layers.norm import RMSNorm
 from specbatch.model.layers.rotary import RotaryEmbedding
@@ -248,6 +248,44 @@ def test_model_with_kernels_matches_pure_torch(
     tol = 0.1 if dtype == torch.bfloat16 else 1e-4
     for o, r in zip(got, ref, strict=True):
         torch.testing.assert_close(o, r, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_flat_forward_is_the_module_path_bit_for_bit(
+    make_checkpoint, dtype: torch.dtype, arch: str
+) -> None:
+    """The decoder stack as flat kernel calls (CpuDecoderPlan) gives the module path's hidden
+    states, residual streams and K/V, bit for bit, over prompts, chunks and decodes."""
+    if not kernels().supports_linear(dtype):
+        pytest.skip("no bfloat16 dot product on this CPU")
+    model = load_model(make_checkpoint(arch, num_layers=3), dtype, "cpu")
+    plan = model.model.cpu_plan
+    assert plan is not None
+    lens, ctx, bs = [7, 1, 3, 12, 1], [0, 20, 9, 0, 33], 4
+    tables, used = [], 0
+    for n in (-(-(q + c) // bs) for q, c in zip(lens, ctx, strict=True)):
+        tables.append(list(range(used, used + n)))
+        used += n
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(lens, ctx, strict=True)])
+    for p in model.parameters():  # re-pointed after the plan was built, as share_weights does
+        p.data = p.data.clone()
+    results = []
+    for use_plan in (True, False):
+        model.model.cpu_plan = plan if use_plan else None
+        caches = model.allocate_kv_caches(used, bs)
+        for k, v in caches:  # earlier context: the same random K/V for both paths
+            k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(2)))
+            v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(3)))
+        meta = AttentionMetadata.from_lists(lens, [q + c for q, c in zip(lens, ctx)], tables, bs)
+        hidden, streams = model.model(ids, positions, caches, meta, streams=(0, 2, 3))
+        results.append((hidden, streams, [t for kv in caches for t in kv]))
+    (h1, s1, c1), (h2, s2, c2) = results
+    assert torch.equal(h1, h2)
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(c1, c2, strict=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

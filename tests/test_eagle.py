@@ -182,6 +182,42 @@ def test_eagle3_head_matches_the_published_design(make_checkpoint, tmp_path) -> 
     torch.testing.assert_close(got[finite], want[finite], atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eagle3_flat_pass_is_the_module_path_bit_for_bit(make_checkpoint, tmp_path, dtype):
+    """The head's pass as flat kernel calls (Eagle3HeadPlan) gives the module path's feature,
+    normed hidden state and K/V, bit for bit, on a ragged batch with cached context."""
+    from specbatch.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.supports_linear(dtype):
+        pytest.skip("no CPU kernel matrix multiply in this dtype here")
+    target_dir = make_checkpoint("llama", num_layers=6, seed=4)
+    head_dir = make_eagle_head(tmp_path / "e3", target_dir, "eagle3", seed=3)
+    target = load_model(target_dir, dtype, "cpu")
+    head = load_eagle_head(head_dir, TargetParts.of(target), target.attention_backend, dtype,
+                           "cpu")  # fmt: skip
+    head.use_cpu_kernels(kernels)
+    plan = head.cpu_plan
+    assert plan is not None
+    lens, ctx, bs = [5, 1, 2], [0, 9, 14], 4
+    tables = [[0, 1], [2, 3, 4], [5, 6, 7, 8]]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (sum(lens),), generator=gen)
+    feats = torch.randn(sum(lens), 3 * 64, generator=gen).to(dtype)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(lens, ctx, strict=True)])
+    results = []
+    for use_plan in (True, False):
+        head.cpu_plan = plan if use_plan else None
+        k, v = head.allocate_kv_caches(9, bs, "cpu")[0]
+        k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(2)))
+        v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(3)))
+        meta = AttentionMetadata.from_lists(lens, [q + c for q, c in zip(lens, ctx)], tables, bs)
+        pre, normed = head(ids, head.from_target(feats), positions, (k, v), meta)
+        results.append((pre, normed, k, v))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_bad_heads_are_named(make_checkpoint, tmp_path) -> None:
     target = str(make_checkpoint("llama", seed=4))
     e1 = make_eagle_head(tmp_path / "e1", target, "eagle", seed=1)

@@ -29,6 +29,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
+from specbatch.model.cpu_forward import Eagle3HeadPlan
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from specbatch.model.layers.linear import ColumnParallelLinear
@@ -168,6 +169,7 @@ class EagleHead(nn.Module):
             )
         # the draft vocabulary is the target's, id for id (set again once d2t is loaded)
         self.d2t_identity = True
+        self.cpu_plan: Eagle3HeadPlan | None = None  # set once the CPU kernels run every op
         self.rotary = RotaryEmbedding.from_config(hf_config, self.head_dim, device)
         self.self_attn = LlamaAttention(
             hf_config,
@@ -217,6 +219,8 @@ class EagleHead(nn.Module):
             y, residual = self.post_attention_layernorm.add_and_norm(attn, x)
             out = self.mlp(y) + residual
             return out, out
+        if self.cpu_plan is not None:
+            return self.cpu_plan.forward(self.embed(input_ids), features, positions, kv_cache, meta)
         e = self.input_layernorm(self.embed(input_ids))
         attn = self.self_attn(
             torch.cat([e, self.hidden_norm(features)], dim=-1), positions, kv_cache, meta
@@ -241,6 +245,7 @@ class EagleHead(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
+        self.cpu_plan = Eagle3HeadPlan.build(self, kernels)
 
     def kv_cache_bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.fc.weight.dtype).element_size()

@@ -16,6 +16,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
+from specbatch.model.cpu_forward import CpuDecoderPlan
 from specbatch.model.layers.activation import SiluAndMul
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -241,6 +242,7 @@ class LlamaModel(nn.Module):
             layers.append(LlamaDecoderLayer(hf_config, attn, mlp, **kw))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, float(hf_config.rms_norm_eps), **kw)
+        self.cpu_plan: CpuDecoderPlan | None = None  # set once the CPU kernels run every op
 
     def forward(
         self,
@@ -254,6 +256,8 @@ class LlamaModel(nn.Module):
         ``streams`` in that order, repeats included (``len(layers)``: the stream after the last
         one), for an EAGLE-3 head."""
         h = self.embed_tokens(input_ids)
+        if self.cpu_plan is not None:
+            return self.cpu_plan.forward(h, positions, kv_caches, meta, streams)
         residual: torch.Tensor | None = None
         seen: dict[int, torch.Tensor] = {0: h.clone()} if 0 in streams else {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -348,6 +352,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
+        self.model.cpu_plan = CpuDecoderPlan.build(self.model, kernels)
 
     def kv_cache_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
         """Bytes one token costs in this rank's cache: K and V, every layer."""
