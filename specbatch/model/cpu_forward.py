@@ -30,12 +30,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class _Linear:
-    """A packed linear layer's shape; its weight and bias are read from the module at every
-    call (they may be re-pointed after the plan is built, e.g. to share weights)."""
+    """A packed linear layer: its panels and its bias parameter, whose address is read at
+    every call (a parameter may be re-pointed after the plan is built, e.g. to share weights)."""
 
     def __init__(self, layer: PackableLinear) -> None:
         assert layer.packed is not None
-        self.layer = layer
+        self.panels = layer.packed.panels
+        self.bias: torch.Tensor | None = getattr(layer, "bias", None)
         self.n, self.k = layer.packed.out_features, layer.packed.in_features
 
     @staticmethod
@@ -43,9 +44,7 @@ class _Linear:
         return None if layer.packed is None else _Linear(layer)
 
     def pointers(self) -> tuple[int, int | None]:
-        packed = self.layer.packed
-        assert packed is not None
-        return packed.panels.data_ptr(), _ptr(getattr(self.layer, "bias", None))
+        return self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr()
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +101,13 @@ class _FlatLayers:
     def new(self, rows: int, cols: int) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=self.dtype)
 
+    def scratch(self, ws: dict[str, torch.Tensor], name: str, rows: int, cols: int) -> torch.Tensor:
+        """A buffer of one forward that every layer reuses."""
+        buf = ws.get(name)
+        if buf is None:
+            buf = ws[name] = self.new(rows, cols)
+        return buf
+
     def norm(self, t: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
              residual: torch.Tensor | None = None) -> None:  # fmt: skip
         """RMSNorm of the rows of ``x`` (of ``x + residual``, stored into ``residual``)."""
@@ -126,12 +132,13 @@ class _FlatLayers:
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         out: torch.Tensor,
+        ws: dict[str, torch.Tensor],
     ) -> None:
         """q/k/v of the normed input ``x``, their rotation, the K/V write and attention over
         the paged cache, then the output projection into ``out``."""
         m, bf16, eps = self.m, self.bf16, self.eps
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        qkv = self.new(t, lay.qkv.n)
+        qkv = self.scratch(ws, "qkv", t, lay.qkv.n)
         self.linear(t, lay.qkv, x, qkv)
         ld, q = lay.qkv.n, qkv.data_ptr()
         esz = qkv.element_size()
@@ -146,7 +153,7 @@ class _FlatLayers:
         k_cache, v_cache = cache
         bs, kc, vc = k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr()
         m.write_kv(t, hkv, d, k, ld, v, ld, meta.slot_mapping.data_ptr(), kc, vc, bs, bf16)
-        attn = self.new(t, hq * d)
+        attn = self.scratch(ws, "attn", t, hq * d)
         m.paged_attention(
             meta.seq_lens.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
             meta.block_tables.data_ptr(), meta.block_tables.stride(0), q, ld, hq,
@@ -154,8 +161,11 @@ class _FlatLayers:
         )  # fmt: skip
         self.linear(t, lay.o, attn, out)
 
-    def mlp(self, t: int, lay: _Layer, x: torch.Tensor, out: torch.Tensor) -> None:
-        gate_up, act = self.new(t, lay.gate_up.n), self.new(t, lay.gate_up.n // 2)
+    def mlp(
+        self, t: int, lay: _Layer, x: torch.Tensor, out: torch.Tensor, ws: dict[str, torch.Tensor]
+    ) -> None:
+        gate_up = self.scratch(ws, "gate_up", t, lay.gate_up.n)
+        act = self.scratch(ws, "act", t, lay.gate_up.n // 2)
         self.linear(t, lay.gate_up, x, gate_up)
         self.m.silu_and_mul(t, lay.gate_up.n // 2, gate_up.data_ptr(), act.data_ptr(), self.bf16)
         self.linear(t, lay.down, act, out)
@@ -196,16 +206,16 @@ class CpuDecoderPlan(_FlatLayers):
         t, hidden = h.shape
         normed, proj, x = self.new(t, hidden), self.new(t, hidden), self.new(t, hidden)
         seen: dict[int, torch.Tensor] = {0: h.clone()} if 0 in streams else {}
-        residual = h
+        residual, ws = h, {}
         for i, (lay, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert lay.in_norm is not None
             if i == 0:
                 self.norm(t, h, lay.in_norm, normed)
             else:
                 self.norm(t, x, lay.in_norm, normed, residual)
-            self.attention(t, lay, normed, positions, cache, meta, proj)
+            self.attention(t, lay, normed, positions, cache, meta, proj, ws)
             self.norm(t, proj, lay.post_norm, normed, residual)
-            self.mlp(t, lay, normed, x)
+            self.mlp(t, lay, normed, x, ws)
             if i + 1 in streams:
                 seen[i + 1] = x + residual
         final = self.new(t, hidden)
@@ -246,12 +256,12 @@ class Eagle3HeadPlan(_FlatLayers):
         e, f = self.new(t, hidden), self.new(t, hidden)
         self.norm(t, embedded, self.embed_norm, e)
         self.norm(t, features, self.feature_norm, f)
-        attn = self.new(t, hidden)
-        self.attention(t, self.layer, torch.cat([e, f], dim=-1), positions, cache, meta, attn)
+        attn, ws = self.new(t, hidden), {}
+        self.attention(t, self.layer, torch.cat([e, f], dim=-1), positions, cache, meta, attn, ws)
         residual, normed = features.clone(), self.new(t, hidden)
         self.norm(t, attn, self.layer.post_norm, normed, residual)
         down = self.new(t, hidden)
-        self.mlp(t, self.layer, normed, down)
+        self.mlp(t, self.layer, normed, down, ws)
         pre = down + residual
         out = self.new(t, hidden)
         self.norm(t, pre, self.final_norm, out)
