@@ -88,7 +88,9 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
         alone[k] = _outputs(run)
 
     def pointers(e: LLMEngine) -> list[int]:
-        return [p.data_ptr() for p in e.executor.worker.target.model.parameters()]
+        model = e.executor.worker.target.model
+        packed = [m.packed.panels for m in model.modules() if getattr(m, "packed", None)]
+        return [t.data_ptr() for t in (*model.parameters(), *packed)]
 
     assert pointers(engines[0])[0] != pointers(engines[2])[0]  # each engine loaded its own
     share_weights(list(engines.values()))

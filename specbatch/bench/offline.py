@@ -244,6 +244,12 @@ def share_weights(engines: Sequence[LLMEngine]) -> None:
             mine = dict(runner.model.named_parameters())
             for name, tensor in source.named_parameters():
                 mine[name].data = tensor.data
+            modules = dict(runner.model.named_modules())
+            for name, module in source.named_modules():  # the CPU kernels' packed weights
+                packed = getattr(module, "packed", None)
+                own = getattr(modules[name], "packed", None)
+                if packed is not None and own is not None:
+                    own.panels.data = packed.panels.data
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
