@@ -69,6 +69,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
     from specbatch.engine.llm_engine import LLMEngine
     from specbatch.kernels import cpu
+    from specbatch.model.cpu_forward import _FlatLayers
     from specbatch.model.layers import attention, cpu_attention
     from specbatch.model.llama import LlamaForCausalLM
     from specbatch.scheduler.scheduler import Scheduler
@@ -84,6 +85,10 @@ def instrumented(clock: Clock) -> Iterator[None]:
         (cpu.CpuKernels, "linear", "matmul"),
         *((cpu.CpuKernels, op, "layer ops") for op in LAYER_OPS),
         (cpu.CpuKernels, "write_kv", "attention"),
+        (_FlatLayers, "linear", "matmul"),  # the flat forward's calls (model/cpu_forward.py)
+        (_FlatLayers, "attention", "attention"),  # with q/k rotation and the K/V write
+        (_FlatLayers, "norm", "layer ops"),
+        (_FlatLayers, "mlp", "layer ops"),
         (F, "linear", "matmul"),
         (cpu_attention.CpuAttentionBackend, "forward", "attention"),
         (attention.TorchAttentionBackend, "forward", "attention"),
