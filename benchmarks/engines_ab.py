@@ -32,6 +32,7 @@ from specbatch.bench.offline import (
     WARMUP_REQUESTS,
     WARMUP_TOKENS,
     default_num_requests,
+    share_weights,
 )
 from specbatch.bench.workload import build_workload, spread_output_lengths
 from specbatch.config import EngineArgs
@@ -44,6 +45,15 @@ def engine(overrides: dict[str, Any], max_seqs: int) -> LLMEngine:
     args.update(overrides)
     args["max_num_seqs"] = max(max_seqs, int(args.get("max_num_seqs") or 0))
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def same_checkpoints(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether A and B load the same target and draft weights in the same dtype."""
+
+    def draft(c: dict[str, Any]) -> Any:
+        return (c.get("speculative_config") or {}).get("model"), c.get("draft_model")
+
+    return all(a.get(k) == b.get(k) for k in ("model", "dtype")) and draft(a) == draft(b)
 
 
 def main() -> None:
@@ -60,6 +70,8 @@ def main() -> None:
     samplings = [json.loads(args.a_sampling), json.loads(args.b_sampling)]
     top = max(args.batch_sizes)
     engines = [engine(c, top) for c in configs]
+    if same_checkpoints(*configs):
+        share_weights(engines)  # as the bench does: one copy of the weights in the caches
     n_max = default_num_requests(top)
     workload = build_workload(
         engines[0],
