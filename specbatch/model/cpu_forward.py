@@ -44,7 +44,7 @@ class _Linear:
         return None if layer.packed is None else _Linear(layer)
 
     def pointers(self) -> tuple[int, int | None]:
-        return self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr()
+        return self.panels.data_ptr(), _ptr(self.bias)
 
 
 @dataclass(frozen=True, eq=False)
