@@ -1,6 +1,6 @@
 """What the matrix multiplies of one target forward cost as its rows grow, on each of the
-kernels' paths: float32 FMA, bfloat16 on AVX-512 dot products and, where the CPU has them,
-bfloat16 on AMX tiles.
+kernels' paths: float32 FMA; bfloat16 on AVX-512 BF16 dot products, or as FMA pairs where the
+CPU has no dot product; and, where the CPU has them, bfloat16 on AMX tiles.
 
 The weights are random, in the built-in target's shapes (every layer's qkv, o, gate-up and down
 projections and the LM head, each its own weight, so they stream from memory as in a real
@@ -68,9 +68,8 @@ def main() -> None:
     kernels = cpu_kernels()
     if kernels is None:
         sys.exit("error: the CPU kernels are not available here")
-    paths = [("float32", torch.float32, False)]
-    if kernels.bf16_matmul:
-        paths.append(("bfloat16 AVX-512", torch.bfloat16, False))
+    bf16 = "bfloat16 AVX-512 dot" if kernels.bf16_dot else "bfloat16 FMA"
+    paths = [("float32", torch.float32, False), (bf16, torch.bfloat16, False)]
     if kernels.amx_available:
         paths.append(("bfloat16 AMX", torch.bfloat16, True))
     weights = {dtype: target_weights(kernels, dtype) for _, dtype, _ in paths}

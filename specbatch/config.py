@@ -73,9 +73,10 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
-    """``auto`` takes the checkpoint's dtype. On a CPU, 16-bit weights run in bfloat16 where the
-    CPU multiplies bfloat16 natively (specbatch's kernels with avx512_bf16: about twice
-    float32's speed at every batch size), else in float32; float32 weights stay float32."""
+    """``auto`` takes the checkpoint's dtype. On a CPU, 16-bit weights run in bfloat16 where
+    specbatch's kernels run (half float32's weight traffic; AVX512-BF16 dot products or AMX
+    where the CPU has them, FMA pairs on AVX2), else in float32 (torch's own bfloat16 matrix
+    multiplies are slow on CPUs without them); float32 weights stay float32."""
     import torch
 
     if dtype not in DTYPES:
@@ -97,7 +98,7 @@ def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
         from specbatch.kernels.cpu import cpu_kernels
 
         kernels = cpu_kernels()
-        return torch.bfloat16 if kernels is not None and kernels.bf16_matmul else torch.float32
+        return torch.bfloat16 if kernels is not None else torch.float32
     return stored
 
 
@@ -439,8 +440,8 @@ def check_batch_invariant(
     for model, name in ((target, "model"), (draft, "draft_model")):
         if model is not None and not kernels.supports_linear(model.dtype):
             raise InvalidInputError(
-                f"batch_invariant: {name}'s dtype {model.dtype} has no kernel matrix multiply on "
-                "this CPU (float32 always; bfloat16 needs avx512_bf16)"
+                f"batch_invariant: {name}'s dtype {model.dtype} has no kernel matrix multiply "
+                "(float32 or bfloat16)"
             )
 
 

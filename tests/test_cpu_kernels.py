@@ -5,6 +5,7 @@ a position, a head or a KV slot."""
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specbatch.kernels.build import cpu_flags, load_module
 from specbatch.kernels.cpu import CpuKernels, cpu_kernels
 from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specbatch.model.layers.cpu_attention import CpuAttentionBackend
@@ -30,11 +32,33 @@ def kernels() -> CpuKernels:
     return KERNELS
 
 
+@functools.cache
+def avx2_kernels() -> CpuKernels:
+    return CpuKernels(load_module(avx2_only=True))
+
+
+@pytest.fixture(
+    params=[
+        "native",
+        pytest.param(
+            "avx2",
+            marks=pytest.mark.skipif(
+                "avx512f" not in cpu_flags(), reason="the native build is the AVX2 build here"
+            ),
+        ),
+    ]
+)
+def kern(request: pytest.FixtureRequest) -> CpuKernels:
+    """The op-level tests run on this CPU's build and, where it has AVX-512, on the AVX2 build
+    too (the same sources with 16-lane vectors as register pairs)."""
+    return kernels() if request.param == "native" else avx2_kernels()
+
+
 # --- matrix multiply ------------------------------------------------------------------------
 
 
 # bfloat16 multiplies run on AMX tiles where the CPU has them (K a multiple of 32), else on
-# AVX-512 dot products; both paths are tested wherever they exist.
+# AVX-512 BF16 dot products or, without them, as FMA pairs; each path is tested where it exists.
 LINEAR_PATHS = [
     (torch.float32, False),
     (torch.bfloat16, False),
@@ -48,11 +72,14 @@ LINEAR_PATHS = [
 
 
 @pytest.fixture
-def amx_path(request: pytest.FixtureRequest):
+def amx_path(request: pytest.FixtureRequest, kern: CpuKernels):
     """Sets the bfloat16 path for one test (the parametrised ``amx``) and restores it."""
-    before = kernels().amx
-    yield kernels().use_amx(request.getfixturevalue("amx"))
-    kernels().use_amx(before)
+    amx = request.getfixturevalue("amx")
+    if amx and not kern.amx_available:
+        pytest.skip("no AMX in this build")
+    before = kern.amx
+    yield kern.use_amx(amx)
+    kern.use_amx(before)
 
 
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
@@ -61,21 +88,19 @@ def amx_path(request: pytest.FixtureRequest):
     [(1, 704, 256), (3, 17, 7), (6, 100, 33), (70, 48, 64), (20, 100, 96), (17, 4096, 256)],
 )
 def test_linear_matches_torch(
-    dtype: torch.dtype, amx: bool, amx_path: bool, m: int, n: int, k: int
+    dtype: torch.dtype, amx: bool, amx_path: bool, m: int, n: int, k: int, kern: CpuKernels
 ) -> None:
-    if not kernels().supports_linear(dtype):
-        pytest.skip("no bfloat16 dot product on this CPU")
     assert amx_path == amx
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
-    packed = kernels().pack_linear(w)
+    packed = kern.pack_linear(w)
     ref = F.linear(x.float(), w.float(), b.float())
-    got = kernels().linear(x, packed, b, out_dtype=torch.float32)
+    got = kern.linear(x, packed, b, out_dtype=torch.float32)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, ref, atol=1e-4 * k**0.5, rtol=1e-5)
-    rounded = kernels().linear(x, packed, b)
+    rounded = kern.linear(x, packed, b)
     assert rounded.dtype == dtype
     torch.testing.assert_close(rounded, got.to(dtype), atol=0, rtol=0)
 
@@ -83,18 +108,16 @@ def test_linear_matches_torch(
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
 @pytest.mark.parametrize("k", [96, 100])
 def test_linear_row_does_not_depend_on_the_batch(
-    dtype: torch.dtype, amx: bool, amx_path: bool, k: int
+    dtype: torch.dtype, amx: bool, amx_path: bool, k: int, kern: CpuKernels
 ) -> None:
-    if not kernels().supports_linear(dtype):
-        pytest.skip("no bfloat16 dot product on this CPU")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, k, generator=gen).to(dtype)
-    packed = kernels().pack_linear(torch.randn(72, k, generator=gen).to(dtype))
-    whole = kernels().linear(x, packed)
+    packed = kern.pack_linear(torch.randn(72, k, generator=gen).to(dtype))
+    whole = kern.linear(x, packed)
     for r in (0, 5, 16, 36):
-        alone = kernels().linear(x[r : r + 1], packed)
+        alone = kern.linear(x[r : r + 1], packed)
         assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
-        pair = kernels().linear(x[r - 1 : r + 1] if r else x[:2], packed)
+        pair = kern.linear(x[r - 1 : r + 1] if r else x[:2], packed)
         assert torch.equal(pair[1 if r else 0], whole[r]), f"row {r} differs in a batch of 2"
 
 
@@ -102,7 +125,7 @@ def test_linear_row_does_not_depend_on_the_batch(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
+def test_rms_norm_with_and_without_residual(dtype: torch.dtype, kern: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(200, 1e-5, dtype=dtype, device="cpu")
     norm.weight.data.copy_(torch.randn(200, generator=gen))
@@ -110,7 +133,7 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
     residual = torch.randn(9, 200, generator=gen).to(dtype)
     ref_out, ref_res = norm.add_and_norm(x, residual.clone())
     ref_plain = norm(x)
-    norm.use_cpu_kernels(kernels())
+    norm.use_cpu_kernels(kern)
     res = residual.clone()
     out, res_out = norm.add_and_norm(x, res)
     assert res_out is res  # the sum is written into the residual in place
@@ -122,14 +145,14 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
     head_norm = RMSNorm(40, 1e-6, dtype=dtype, device="cpu")
     head_norm.weight.data.copy_(torch.randn(40, generator=gen))
     ref_heads = head_norm.norm_heads_(heads.clone())
-    head_norm.use_cpu_kernels(kernels())
+    head_norm.use_cpu_kernels(kern)
     got_heads = heads.clone()
     head_norm.norm_heads_(got_heads)
     torch.testing.assert_close(got_heads, ref_heads, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_strided_heads(dtype: torch.dtype) -> None:
+def test_rotary_in_place_on_strided_heads(dtype: torch.dtype, kern: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(2)
     d, hq, hkv = 32, 4, 2
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
@@ -139,7 +162,7 @@ def test_rotary_in_place_on_strided_heads(dtype: torch.dtype) -> None:
     q, k = qkv[:, : hq * d].view(11, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(11, hkv, d)
     ref_q, ref_k = rope(positions, q.clone(), k.clone())
     untouched = qkv[:, (hq + hkv) * d :].clone()
-    rope.use_cpu_kernels(kernels())
+    rope.use_cpu_kernels(kern)
     got_q, got_k = rope(positions, q, k)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # torch rounds each product in bfloat16
     torch.testing.assert_close(got_q, ref_q, atol=tol, rtol=tol)
@@ -148,11 +171,11 @@ def test_rotary_in_place_on_strided_heads(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype: torch.dtype) -> None:
+def test_silu_and_mul(dtype: torch.dtype, kern: CpuKernels) -> None:
     x = (torch.randn(7, 2 * 90, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     ref = F.silu(x[:, :90]) * x[:, 90:]
     tol = 0 if dtype == torch.bfloat16 else 1e-6
-    torch.testing.assert_close(kernels().silu_and_mul(x), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(kern.silu_and_mul(x), ref, atol=tol, rtol=tol)
 
 
 # --- attention --------------------------------------------------------------------------
@@ -175,12 +198,12 @@ def to_cpu_layout(
     [(4, 4, 2, 16), (16, 4, 2, 64), (32, 6, 2, 32), (16, 8, 1, 128), (16, 3, 3, 64)],
 )
 def test_attention_matches_reference(
-    dtype: torch.dtype, block_size: int, hq: int, hkv: int, d: int
+    dtype: torch.dtype, block_size: int, hq: int, hkv: int, d: int, kern: CpuKernels
 ) -> None:
     q, k, v, k_cache, v_cache, meta, _ = random_paged_batch(
         *RAGGED, block_size, hq, hkv, d, seed=block_size + d, dtype=dtype
     )
-    backend = CpuAttentionBackend(kernels())
+    backend = CpuAttentionBackend(kern)
     assert backend.kv_cache_shapes(k_cache.shape[0], block_size, hkv, d) == (
         (k_cache.shape[0], hkv, d, block_size),
         (k_cache.shape[0], hkv, block_size, d),
@@ -207,11 +230,11 @@ def test_attention_matches_reference(
     assert torch.equal(vc[blk, :, off], ref_vc[blk, :, off])
 
 
-def test_attention_reads_each_sequence_own_slots() -> None:
+def test_attention_reads_each_sequence_own_slots(kern: CpuKernels) -> None:
     """Changing one cached key changes exactly the outputs of the sequence holding it, from the
     first query row that sees its position."""
     q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(*RAGGED, 16, 4, 2, 64, seed=5)
-    backend = CpuAttentionBackend(kernels())
+    backend = CpuAttentionBackend(kern)
     kc, vc = to_cpu_layout(k_cache, v_cache)
     before = backend.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
     b, pos = 4, 37  # sequence 4: one decode row at position 63, context 0..62
@@ -257,8 +280,6 @@ def test_flat_forward_is_the_module_path_bit_for_bit(
 ) -> None:
     """The decoder stack as flat kernel calls (CpuDecoderPlan) gives the module path's hidden
     states, residual streams and K/V, bit for bit, over prompts, chunks and decodes."""
-    if not kernels().supports_linear(dtype):
-        pytest.skip("no bfloat16 dot product on this CPU")
     model = load_model(make_checkpoint(arch, num_layers=3), dtype, "cpu")
     plan = model.model.cpu_plan
     assert plan is not None
@@ -289,7 +310,9 @@ def test_flat_forward_is_the_module_path_bit_for_bit(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(dtype: torch.dtype) -> None:
+def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(
+    dtype: torch.dtype, kern: CpuKernels
+) -> None:
     """A sequence's outputs are bit-identical alone and inside the ragged batch, and when its
     new tokens come in two chunks instead of one."""
     from specbatch.model.layers.attention import AttentionMetadata
@@ -297,7 +320,7 @@ def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(dtype: torch
     q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(
         *RAGGED, 16, 6, 2, 64, seed=9, dtype=dtype
     )
-    backend = CpuAttentionBackend(kernels())
+    backend = CpuAttentionBackend(kern)
     kc, vc = to_cpu_layout(k_cache, v_cache)
     whole = backend.forward(q, k, v, kc, vc, meta, 0.125)
     for b in (1, 3, 6):  # a decode, a chunk on cached context, a whole prompt
@@ -319,14 +342,13 @@ def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(dtype: torch
 
 
 def test_dtype_auto_on_a_cpu() -> None:
-    """float32 weights stay float32; 16-bit weights run in bfloat16 where the CPU multiplies
-    bfloat16 natively, else in float32."""
+    """float32 weights stay float32; 16-bit weights run in bfloat16 on the kernels."""
     from types import SimpleNamespace
 
     from specbatch.config import resolve_dtype
 
     assert resolve_dtype("auto", SimpleNamespace(dtype="float32"), "cpu") == torch.float32
-    want = torch.bfloat16 if kernels().bf16_matmul else torch.float32
+    want = torch.bfloat16
     assert resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), "cpu") == want
     assert resolve_dtype("auto", SimpleNamespace(torch_dtype="float16"), "cpu") == want
     assert resolve_dtype("float32", SimpleNamespace(dtype="bfloat16"), "cpu") == torch.float32

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("module.c", "gemm.c", "gemm_amx.c", "layer_ops.c", "attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+# the AVX2 build on a CPU that also has AVX-512 (tests exercise both paths on such a machine)
+AVX2_ONLY = ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16")
 MODULE = "_specbatch_cpu"
 
 
@@ -59,13 +61,15 @@ def _compiler() -> str:
     return cc
 
 
-def library_path() -> Path:
-    """Where the library for this machine lives; built there first if it is not."""
+def library_path(avx2_only: bool = False) -> Path:
+    """Where the library for this machine lives; built there first if it is not.
+    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"only built on Linux x86-64, this is {platform.platform()}")
     flags = cpu_flags()
-    if "avx512f" not in flags:
-        raise KernelBuildError("the CPU has no AVX-512F")
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        raise KernelBuildError("the CPU has neither AVX-512F nor AVX2 with FMA")
+    build_flags = (*FLAGS, *AVX2_ONLY) if avx2_only else FLAGS
     cc = _compiler()
     try:
         version = subprocess.run(
@@ -79,7 +83,7 @@ def library_path() -> Path:
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         raise KernelBuildError(f"no Python headers (Python.h) under {include}")
-    digest.update(" ".join((*FLAGS, version, include, *sorted(flags))).encode())
+    digest.update(" ".join((*build_flags, version, include, *sorted(flags))).encode())
     out_dir = cache_dir()
     lib = out_dir / f"{MODULE}-{digest.hexdigest()[:16]}.so"
     if lib.exists():
@@ -87,7 +91,7 @@ def library_path() -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cc, *FLAGS, f"-I{include}", "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
+    cmd = [cc, *build_flags, f"-I{include}", "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -99,10 +103,10 @@ def library_path() -> Path:
     return lib
 
 
-def load_module() -> ModuleType:
+def load_module(avx2_only: bool = False) -> ModuleType:
     import torch  # noqa: F401  (torch's OpenMP runtime must be the one the module binds to)
 
-    path = library_path()
+    path = library_path(avx2_only)
     try:
         loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
         spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)

@@ -44,7 +44,7 @@ class CpuKernels:
     def __init__(self, module: ModuleType) -> None:
         self._m = module
         info = module.info()
-        self.bf16_matmul = bool(info["bf16_dot"])
+        self.bf16_dot = bool(info["bf16_dot"])  # AVX512-BF16 (else bfloat16 runs as FMA pairs)
         self.max_head_dim = int(info["max_head_dim"])
         self.amx_available = bool(info["amx"])
         self.use_amx(_env_on("SPECBATCH_CPU_AMX"))
@@ -58,8 +58,9 @@ class CpuKernels:
         return self.amx
 
     # ---- matrix multiplies -------------------------------------------------------------------
-    def supports_linear(self, dtype: torch.dtype) -> bool:
-        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_matmul)
+    @staticmethod
+    def supports_linear(dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16)
 
     @staticmethod
     def pack_linear(weight: torch.Tensor) -> PackedLinear:

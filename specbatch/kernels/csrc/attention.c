@@ -30,65 +30,78 @@ typedef struct {
     char* out;
 } attn_args;
 
+/* Query vectors per group and partial sums per vector: sized to the registers (32 on AVX-512,
+ * 16 on AVX2, where a vf takes two). */
+#if SB_WIDE
+#define VG 4
+#define PARTS 4
+#else
+#define VG 2
+#define PARTS 2
+#endif
+
 /* scores s[v][lane] = q_v . key(c + lane) for NV query vectors and 16 keys of one block,
- * four vectors at a time with four partial sums each (enough independent FMA chains in
- * flight). Every vector's sums run in the same order whatever NV is: a score does not depend
- * on which other query vectors share its tile. */
+ * VG vectors at a time with PARTS partial sums each (enough independent FMA chains in flight).
+ * Every vector's sums run in the same order whatever NV is: a score does not depend on which
+ * other query vectors share its tile. */
 SB_INLINE void scores(const int NV, const float* qv, const char* kb, int c, int bs, int d,
-                      __mmask16 km, __m512* s, const int bf16) {
+                      vmask km, vf* s, const int bf16) {
     const int esz = bf16 ? 2 : 4;
-    for (int v0 = 0; v0 < NV; v0 += 4) {
-        __m512 part[4][4];
-        for (int v = 0; v < 4; v++)
-            for (int u = 0; u < 4; u++) part[v][u] = _mm512_setzero_ps();
-        for (int i = 0; i < d; i += 4) {
-            for (int u = 0; u < 4; u++) {
-                __m512 kd = load16(kb + ((long)(i + u) * bs + c) * esz, km, bf16);
-                for (int v = 0; v < 4; v++)
+    for (int v0 = 0; v0 < NV; v0 += VG) {
+        vf part[VG][PARTS];
+        for (int v = 0; v < VG; v++)
+            for (int u = 0; u < PARTS; u++) part[v][u] = vf_zero();
+        for (int i = 0; i < d; i += PARTS) {
+            for (int u = 0; u < PARTS; u++) {
+                vf kd = load16(kb + ((long)(i + u) * bs + c) * esz, km, bf16);
+                for (int v = 0; v < VG; v++)
                     if (v0 + v < NV)
-                        part[v][u] = _mm512_fmadd_ps(
-                            _mm512_set1_ps(qv[(v0 + v) * DMAX + i + u]), kd, part[v][u]);
+                        part[v][u] = vf_fma(vf_set1(qv[(v0 + v) * DMAX + i + u]), kd, part[v][u]);
             }
         }
-        for (int v = 0; v < 4; v++)
-            if (v0 + v < NV)
-                s[v0 + v] = _mm512_add_ps(_mm512_add_ps(part[v][0], part[v][1]),
-                                          _mm512_add_ps(part[v][2], part[v][3]));
+        for (int v = 0; v < VG; v++) {
+            if (v0 + v >= NV) continue;
+            vf sum = vf_add(part[v][0], part[v][1]);
+#if PARTS == 4
+            sum = vf_add(sum, vf_add(part[v][2], part[v][3]));
+#endif
+            s[v0 + v] = sum;
+        }
     }
 }
 
-/* acc[v] += sum_j p[v][j] * value(c + j), j < n: up to 4 vectors at once, even and odd keys in
+/* acc[v] += sum_j p[v][j] * value(c + j), j < n: up to VG vectors at once, even and odd keys in
  * separate sums, every value row loaded once per group of vectors. */
 SB_INLINE void add_values(const int NV, float* acc, const float (*p)[16], const char* vb, int c,
                           int n, int d, const int bf16) {
     const int esz = bf16 ? 2 : 4;
     for (int i = 0; i < d; i += 16) {
-        for (int v0 = 0; v0 < NV; v0 += 4) {
-            __m512 a[4][2];
-            for (int u = 0; u < 4; u++)
+        for (int v0 = 0; v0 < NV; v0 += VG) {
+            vf a[VG][2];
+            for (int u = 0; u < VG; u++)
                 if (v0 + u < NV) {
-                    a[u][0] = _mm512_load_ps(acc + (v0 + u) * DMAX + i);
-                    a[u][1] = _mm512_setzero_ps();
+                    a[u][0] = vf_load(acc + (v0 + u) * DMAX + i);
+                    a[u][1] = vf_zero();
                 }
             int j = 0;
             for (; j + 1 < n; j += 2) {
-                __m512 x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
-                __m512 x1 = load16(vb + ((long)(c + j + 1) * d + i) * esz, 0xffff, bf16);
-                for (int u = 0; u < 4; u++)
+                vf x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
+                vf x1 = load16(vb + ((long)(c + j + 1) * d + i) * esz, 0xffff, bf16);
+                for (int u = 0; u < VG; u++)
                     if (v0 + u < NV) {
-                        a[u][0] = _mm512_fmadd_ps(_mm512_set1_ps(p[v0 + u][j]), x0, a[u][0]);
-                        a[u][1] = _mm512_fmadd_ps(_mm512_set1_ps(p[v0 + u][j + 1]), x1, a[u][1]);
+                        a[u][0] = vf_fma(vf_set1(p[v0 + u][j]), x0, a[u][0]);
+                        a[u][1] = vf_fma(vf_set1(p[v0 + u][j + 1]), x1, a[u][1]);
                     }
             }
             if (j < n) {
-                __m512 x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
-                for (int u = 0; u < 4; u++)
+                vf x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
+                for (int u = 0; u < VG; u++)
                     if (v0 + u < NV)
-                        a[u][0] = _mm512_fmadd_ps(_mm512_set1_ps(p[v0 + u][j]), x0, a[u][0]);
+                        a[u][0] = vf_fma(vf_set1(p[v0 + u][j]), x0, a[u][0]);
             }
-            for (int u = 0; u < 4; u++)
+            for (int u = 0; u < VG; u++)
                 if (v0 + u < NV)
-                    _mm512_store_ps(acc + (v0 + u) * DMAX + i, _mm512_add_ps(a[u][0], a[u][1]));
+                    vf_store(acc + (v0 + u) * DMAX + i, vf_add(a[u][0], a[u][1]));
         }
     }
 }
@@ -117,9 +130,9 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
         if (vis[v] > kend) kend = vis[v];
         const char* qr = a->q + ((row0 + r) * a->ldq + (long)h * d) * esz;
         for (int i = 0; i < d; i += 16) {
-            __m512 x = _mm512_mul_ps(load16(qr + (long)i * esz, 0xffff, bf16), _mm512_set1_ps(a->scale));
-            _mm512_store_ps(qv + v * DMAX + i, x);
-            _mm512_store_ps(acc + v * DMAX + i, _mm512_setzero_ps());
+            vf x = vf_mul(load16(qr + (long)i * esz, 0xffff, bf16), vf_set1(a->scale));
+            vf_store(qv + v * DMAX + i, x);
+            vf_store(acc + v * DMAX + i, vf_zero());
         }
     }
     const int64_t* bt = a->block_tables + (long)b * a->bt_stride;
@@ -141,29 +154,29 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
         for (int c = 0; c < bs && start + c < kend; c += 16) {
             int n = bs - c < 16 ? bs - c : 16;
             if (kend - (start + c) < n) n = kend - (start + c);
-            __m512 s[QT];
+            vf s[QT];
             scores(NV, qv, kb, c, bs, d, lanes(n), s, bf16);
             float p[QT][16] __attribute__((aligned(64)));
             for (int v = 0; v < NV; v++) {
                 int seen = vis[v] - (start + c);
-                __mmask16 vm = lanes(seen < 0 ? 0 : seen) & lanes(n);
+                vmask vm = lanes(seen < 0 ? 0 : seen) & lanes(n);
                 if (!vm) {
-                    _mm512_store_ps(p[v], _mm512_setzero_ps());
+                    vf_store(p[v], vf_zero());
                     continue;
                 }
-                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vm, s[v]);
-                float m_new = _mm512_reduce_max_ps(sv);
+                vf sv = vf_select(vm, s[v], vf_set1(-INFINITY));
+                float m_new = vf_maxval(sv);
                 if (m_new > mx[v]) {
                     float corr = mx[v] == -INFINITY ? 0.0f : expf(mx[v] - m_new);
                     l[v] *= corr;
-                    __m512 vc = _mm512_set1_ps(corr);
+                    vf vc = vf_set1(corr);
                     for (int i = 0; i < d; i += 16)
-                        _mm512_store_ps(acc + v * DMAX + i, _mm512_mul_ps(_mm512_load_ps(acc + v * DMAX + i), vc));
+                        vf_store(acc + v * DMAX + i, vf_mul(vf_load(acc + v * DMAX + i), vc));
                     mx[v] = m_new;
                 }
-                __m512 pv = _mm512_maskz_mov_ps(vm, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mx[v]))));
-                l[v] += _mm512_reduce_add_ps(pv);
-                _mm512_store_ps(p[v], pv);
+                vf pv = vf_select(vm, exp16(vf_sub(sv, vf_set1(mx[v]))), vf_zero());
+                l[v] += vf_sum(pv);
+                vf_store(p[v], pv);
             }
             add_values(NV, acc, (const float (*)[16])p, vb, c, n, d, bf16);
         }
@@ -172,9 +185,9 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
         int vv = v0 + v;
         int r = vv / G, h = kvh * G + vv % G;
         char* orow = a->out + (((row0 + r) * a->hq + h) * (long)d) * esz;
-        __m512 inv = _mm512_set1_ps(1.0f / l[v]);
+        vf inv = vf_set1(1.0f / l[v]);
         for (int i = 0; i < d; i += 16)
-            store16(orow + (long)i * esz, 0xffff, _mm512_mul_ps(_mm512_load_ps(acc + v * DMAX + i), inv), bf16);
+            store16(orow + (long)i * esz, 0xffff, vf_mul(vf_load(acc + v * DMAX + i), inv), bf16);
     }
 }
 

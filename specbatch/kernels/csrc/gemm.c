@@ -2,24 +2,30 @@
  *
  * float32 panels: [ceil(N/16)][K][16]; bfloat16 panels: [ceil(N/16)][ceil(K/2)][16][2] (pairs
  * along K, the operand layout of AVX512-BF16's dot product). A micro-kernel computes up to
- * MR rows of x against NP panels (64 outputs) with every partial sum in a register, streaming
- * each panel once per MR rows. Every output is summed over k in the same order whatever M is and
- * wherever its row sits in x, so a row's result does not depend on the rest of the batch. */
+ * MR rows of x against NP panels with every partial sum in a register, streaming each panel
+ * once per MR rows (4 rows x 4 panels on AVX-512's 32 registers, 4 x 1 on AVX2's 16). bfloat16 runs
+ * on the BF16 dot product where the CPU has it, else as two FMAs per pair (k, then k + 1). Every
+ * output is summed over k in the same order whatever M is and wherever its row sits in x, so a
+ * row's result does not depend on the rest of the batch. */
 #include <omp.h>
 
 #include "common.h"
 
 #define MR 4
+#if SB_WIDE
 #define NP 4
+#else
+#define NP 1
+#endif
 #define NR 16
 
-SB_INLINE void finish(__m512 acc[MR][NP], int mr, int np, int n_left, const void* bias,
+SB_INLINE void finish(vf acc[MR][NP], int mr, int np, int n_left, const void* bias,
                       const int bias_bf16, void* y, long ldy, const int y_bf16) {
     for (int j = 0; j < NP; j++) {
         if (j >= np) break;
         int nl = n_left - j * NR;
-        __mmask16 km = lanes(nl);
-        __m512 b = _mm512_setzero_ps();
+        vmask km = lanes(nl);
+        vf b = vf_zero();
         if (bias) {
             const char* bp = (const char*)bias + (long)j * NR * (bias_bf16 ? 2 : 4);
             b = load16(bp, km, bias_bf16);
@@ -27,24 +33,24 @@ SB_INLINE void finish(__m512 acc[MR][NP], int mr, int np, int n_left, const void
         for (int m = 0; m < MR; m++) {
             if (m >= mr) break;
             char* yr = (char*)y + ((long)m * ldy + (long)j * NR) * (y_bf16 ? 2 : 4);
-            store16(yr, km, _mm512_add_ps(acc[m][j], b), y_bf16);
+            store16(yr, km, vf_add(acc[m][j], b), y_bf16);
         }
     }
 }
 
 SB_INLINE void kernel_f32(int mr, int np, int K, const float* x, long ldx, const float* w,
                           long pstride, int n_left, const float* bias, float* y, long ldy) {
-    __m512 acc[MR][NP];
+    vf acc[MR][NP];
     for (int m = 0; m < MR; m++)
-        for (int j = 0; j < NP; j++) acc[m][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
     for (int k = 0; k < K; k++) {
-        __m512 b[NP];
+        vf b[NP];
         for (int j = 0; j < NP; j++)
-            b[j] = j < np ? _mm512_loadu_ps(w + j * pstride + (long)k * NR) : _mm512_setzero_ps();
+            b[j] = j < np ? vf_loadu(w + j * pstride + (long)k * NR) : vf_zero();
         for (int m = 0; m < MR; m++) {
             if (m < mr) {
-                __m512 a = _mm512_set1_ps(x[m * ldx + k]);
-                for (int j = 0; j < NP; j++) acc[m][j] = _mm512_fmadd_ps(a, b[j], acc[m][j]);
+                vf a = vf_set1(x[m * ldx + k]);
+                for (int j = 0; j < NP; j++) acc[m][j] = vf_fma(a, b[j], acc[m][j]);
             }
         }
     }
@@ -115,6 +121,42 @@ SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, c
     }
     finish(acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
+#else
+/* Without the dot product: per pair, acc += x[k] w[k], then acc += x[k + 1] w[k + 1]. */
+SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, const uint16_t* w,
+                           long pstride, int n_left, const uint16_t* bias, void* y, long ldy,
+                           const int y_bf16) {
+    vf acc[MR][NP];
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
+    int K2 = K / 2;
+    for (int k2 = 0; k2 < K2; k2++) {
+        vf be[NP], bo[NP];
+        for (int j = 0; j < NP; j++) {
+            if (j < np)
+                bf16_pairs(w + j * pstride + (long)k2 * 2 * NR, &be[j], &bo[j]);
+            else
+                be[j] = bo[j] = vf_zero();
+        }
+        for (int m = 0; m < MR; m++) {
+            if (m < mr) {
+                vf ae = vf_set1(bf16_to_f32(x[m * ldx + 2 * k2]));
+                vf ao = vf_set1(bf16_to_f32(x[m * ldx + 2 * k2 + 1]));
+                for (int j = 0; j < NP; j++) acc[m][j] = vf_fma(ao, bo[j], vf_fma(ae, be[j], acc[m][j]));
+            }
+        }
+    }
+    if (K & 1) { /* the last pair holds one real element */
+        for (int j = 0; j < NP; j++) {
+            if (j >= np) break;
+            vf be, bo;
+            bf16_pairs(w + j * pstride + (long)K2 * 2 * NR, &be, &bo);
+            for (int m = 0; m < MR; m++)
+                if (m < mr) acc[m][j] = vf_fma(vf_set1(bf16_to_f32(x[m * ldx + K - 1])), be, acc[m][j]);
+        }
+    }
+    finish(acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
+}
 #endif
 
 void sb_linear_bf16_amx(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*,
@@ -132,7 +174,6 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
         sb_linear_bf16_amx(M, N, K, x, ldx, wp, bias, y, ldy, y_f32);
         return;
     }
-#ifdef __AVX512BF16__
     int npanel = (N + NR - 1) / NR;
     int ngroup = (npanel + NP - 1) / NP;
     long pstride = (long)((K + 1) / 2) * 2 * NR;
@@ -153,8 +194,4 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
                             N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 1);
         }
     }
-#else
-    (void)M; (void)N; (void)K; (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)ldy;
-    (void)y_f32;
-#endif
 }

@@ -16,25 +16,25 @@ SB_INLINE void rms_norm_impl(int rows, int n, const void* x, long ldx, void* res
         const char* xr = (const char*)x + (long)r * ldx * esz;
         char* rr = residual ? (char*)residual + (long)r * n * esz : 0;
         char* orow = (char*)out + (long)r * n * esz;
-        __m512 ss = _mm512_setzero_ps();
+        vf ss = vf_zero();
         for (int i = 0; i < n; i += 16) {
-            __mmask16 m = lanes(n - i);
-            __m512 v = load16(xr + (long)i * esz, m, bf16);
+            vmask m = lanes(n - i);
+            vf v = load16(xr + (long)i * esz, m, bf16);
             if (rr) {
-                v = _mm512_add_ps(v, load16(rr + (long)i * esz, m, bf16));
+                v = vf_add(v, load16(rr + (long)i * esz, m, bf16));
                 store16(rr + (long)i * esz, m, v, bf16);
                 if (bf16) v = load16(rr + (long)i * esz, m, bf16); /* the rounded sum */
             }
-            ss = _mm512_fmadd_ps(v, v, ss);
+            ss = vf_fma(v, v, ss);
         }
-        float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps);
-        __m512 vinv = _mm512_set1_ps(inv);
+        float inv = 1.0f / sqrtf(vf_sum(ss) / (float)n + eps);
+        vf vinv = vf_set1(inv);
         const char* src = rr ? rr : xr;
         for (int i = 0; i < n; i += 16) {
-            __mmask16 m = lanes(n - i);
-            __m512 v = _mm512_mul_ps(load16(src + (long)i * esz, m, bf16), vinv);
+            vmask m = lanes(n - i);
+            vf v = vf_mul(load16(src + (long)i * esz, m, bf16), vinv);
             if (bf16) v = bf16x16_to_f32(f32x16_to_bf16(v));
-            v = _mm512_mul_ps(v, load16((const char*)w + (long)i * esz, m, bf16));
+            v = vf_mul(v, load16((const char*)w + (long)i * esz, m, bf16));
             store16(orow + (long)i * esz, m, v, bf16);
         }
     }
@@ -61,12 +61,12 @@ SB_INLINE void rope_impl(int rows, int heads, int d, void* x, long ldx, const in
             char* x1 = (char*)x + ((long)r * ldx + (long)h * d) * esz;
             char* x2 = x1 + (long)half * esz;
             for (int i = 0; i < half; i += 16) {
-                __mmask16 m = lanes(half - i);
-                __m512 vc = _mm512_maskz_loadu_ps(m, c + i), vs = _mm512_maskz_loadu_ps(m, s + i);
-                __m512 a = load16(x1 + (long)i * esz, m, bf16);
-                __m512 b = load16(x2 + (long)i * esz, m, bf16);
-                store16(x1 + (long)i * esz, m, _mm512_fmsub_ps(a, vc, _mm512_mul_ps(b, vs)), bf16);
-                store16(x2 + (long)i * esz, m, _mm512_fmadd_ps(b, vc, _mm512_mul_ps(a, vs)), bf16);
+                vmask m = lanes(half - i);
+                vf vc = load16(c + i, m, 0), vs = load16(s + i, m, 0);
+                vf a = load16(x1 + (long)i * esz, m, bf16);
+                vf b = load16(x2 + (long)i * esz, m, bf16);
+                store16(x1 + (long)i * esz, m, vf_fms(a, vc, vf_mul(b, vs)), bf16);
+                store16(x2 + (long)i * esz, m, vf_fma(b, vc, vf_mul(a, vs)), bf16);
             }
         }
     }
@@ -89,12 +89,12 @@ SB_INLINE void silu_mul_impl(int rows, int n, const void* x, void* out, const in
         const char* u = g + (long)n * esz;
         char* o = (char*)out + (long)r * n * esz;
         for (int i = 0; i < n; i += 16) {
-            __mmask16 m = lanes(n - i);
-            __m512 vg = load16(g + (long)i * esz, m, bf16);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), vg));
-            __m512 sg = _mm512_div_ps(vg, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            vmask m = lanes(n - i);
+            vf vg = load16(g + (long)i * esz, m, bf16);
+            vf e = exp16(vf_sub(vf_zero(), vg));
+            vf sg = vf_div(vg, vf_add(vf_set1(1.0f), e));
             if (bf16) sg = bf16x16_to_f32(f32x16_to_bf16(sg));
-            store16(o + (long)i * esz, m, _mm512_mul_ps(sg, load16(u + (long)i * esz, m, bf16)),
+            store16(o + (long)i * esz, m, vf_mul(sg, load16(u + (long)i * esz, m, bf16)),
                     bf16);
         }
     }
@@ -138,17 +138,17 @@ SB_INLINE void head_norm_impl(int rows, int heads, int d, void* x, long ldx, con
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < heads; h++) {
             char* xr = (char*)x + ((long)r * ldx + (long)h * d) * esz;
-            __m512 ss = _mm512_setzero_ps();
+            vf ss = vf_zero();
             for (int i = 0; i < d; i += 16) {
-                __m512 v = load16(xr + (long)i * esz, lanes(d - i), bf16);
-                ss = _mm512_fmadd_ps(v, v, ss);
+                vf v = load16(xr + (long)i * esz, lanes(d - i), bf16);
+                ss = vf_fma(v, v, ss);
             }
-            __m512 vinv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)d + eps));
+            vf vinv = vf_set1(1.0f / sqrtf(vf_sum(ss) / (float)d + eps));
             for (int i = 0; i < d; i += 16) {
-                __mmask16 m = lanes(d - i);
-                __m512 v = _mm512_mul_ps(load16(xr + (long)i * esz, m, bf16), vinv);
+                vmask m = lanes(d - i);
+                vf v = vf_mul(load16(xr + (long)i * esz, m, bf16), vinv);
                 if (bf16) v = bf16x16_to_f32(f32x16_to_bf16(v));
-                v = _mm512_mul_ps(v, load16((const char*)w + (long)i * esz, m, bf16));
+                v = vf_mul(v, load16((const char*)w + (long)i * esz, m, bf16));
                 store16(xr + (long)i * esz, m, v, bf16);
             }
         }
