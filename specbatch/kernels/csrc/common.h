@@ -59,6 +59,7 @@ SB_INLINE vf vf_fms(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }
 SB_INLINE vf vf_load(const float* p) { return _mm512_load_ps(p); }   /* 64-byte aligned */
 SB_INLINE vf vf_loadu(const float* p) { return _mm512_loadu_ps(p); }
 SB_INLINE void vf_store(float* p, vf v) { _mm512_store_ps(p, v); }
+SB_INLINE void vf_storeu(float* p, vf v) { _mm512_storeu_ps(p, v); }
 SB_INLINE float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
 SB_INLINE float vf_maxval(vf v) { return _mm512_reduce_max_ps(v); }
 /* lanes in m from a, the others from b */
@@ -137,6 +138,10 @@ SB_INLINE vf vf_loadu(const float* p) { return VF2(_mm256_loadu_ps(p), _mm256_lo
 SB_INLINE void vf_store(float* p, vf v) {
     _mm256_store_ps(p, v.lo);
     _mm256_store_ps(p + 8, v.hi);
+}
+SB_INLINE void vf_storeu(float* p, vf v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
 }
 
 SB_INLINE float hsum8(__m256 v) {

@@ -8,6 +8,7 @@
  * output is summed over k in the same order whatever M is and wherever its row sits in x, so a
  * row's result does not depend on the rest of the batch. */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "common.h"
 
@@ -38,8 +39,10 @@ SB_INLINE void finish(vf acc[MR][NP], int mr, int np, int n_left, const void* bi
     }
 }
 
+/* bias_bf16 / y_bf16: the bias and y in bfloat16 (the widened bfloat16 path below) */
 SB_INLINE void kernel_f32(int mr, int np, int K, const float* x, long ldx, const float* w,
-                          long pstride, int n_left, const float* bias, float* y, long ldy) {
+                          long pstride, int n_left, const void* bias, const int bias_bf16,
+                          void* y, long ldy, const int y_bf16) {
     vf acc[MR][NP];
     for (int m = 0; m < MR; m++)
         for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
@@ -54,7 +57,7 @@ SB_INLINE void kernel_f32(int mr, int np, int K, const float* x, long ldx, const
             }
         }
     }
-    finish(acc, mr, np, n_left, bias, 0, y, ldy, 0);
+    finish(acc, mr, np, n_left, bias, bias_bf16, y, ldy, y_bf16);
 }
 
 void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* wp,
@@ -70,7 +73,7 @@ void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* w
         for (int m = 0; m < M; m += MR) {
             int mr = M - m < MR ? M - m : MR;
             kernel_f32(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride, N - p * NR,
-                       bias ? bias + p * NR : 0, y + (long)m * ldy + p * NR, ldy);
+                       bias ? bias + p * NR : 0, 0, y + (long)m * ldy + p * NR, ldy, 0);
         }
     }
 }
@@ -157,6 +160,54 @@ SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, c
     }
     finish(acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
+
+/* More than MR rows: x and each group of panels are widened to float32 once and every block of
+ * rows runs the float32 kernel on them. The FMAs and their order are kernel_bf16's, so a row
+ * gets the same bits either way. */
+static void linear_bf16_widened(int M, int N, int K, const uint16_t* x, long ldx,
+                                const uint16_t* wp, const uint16_t* bias, void* y, long ldy,
+                                int y_f32) {
+    float* xf = (float*)malloc(sizeof(float) * (size_t)M * (size_t)K);
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < K; i += 16)
+            store16(xf + (long)m * K + i, lanes(K - i), load16(x + (long)m * ldx + i, lanes(K - i), 1), 0);
+    int npanel = (N + NR - 1) / NR;
+    int ngroup = (npanel + NP - 1) / NP;
+    long pstride = (long)((K + 1) / 2) * 2 * NR, wstride = (long)K * NR;
+    int par = omp_get_max_threads() > 1 && (double)M * N * K > 2e5;
+    int esz = y_f32 ? 4 : 2;
+#pragma omp parallel if (par)
+    {
+        float* wf = (float*)malloc(sizeof(float) * NP * (size_t)wstride + 64);
+#pragma omp for schedule(static)
+        for (int g = 0; g < ngroup; g++) {
+            int p = g * NP;
+            int np = npanel - p < NP ? npanel - p : NP;
+            for (int j = 0; j < np; j++) {
+                const uint16_t* src = wp + (p + j) * pstride;
+                float* dst = wf + j * wstride;
+                for (int k = 0; k < K; k += 2) {
+                    vf e, o;
+                    bf16_pairs(src + (long)k * NR, &e, &o);
+                    vf_storeu(dst + (long)k * NR, e);
+                    if (k + 1 < K) vf_storeu(dst + (long)(k + 1) * NR, o);
+                }
+            }
+            for (int m = 0; m < M; m += MR) {
+                int mr = M - m < MR ? M - m : MR;
+                char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
+                if (y_f32)
+                    kernel_f32(mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
+                               bias ? bias + p * NR : 0, 1, yp, ldy, 0);
+                else
+                    kernel_f32(mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
+                               bias ? bias + p * NR : 0, 1, yp, ldy, 1);
+            }
+        }
+        free(wf);
+    }
+    free(xf);
+}
 #endif
 
 void sb_linear_bf16_amx(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*,
@@ -174,6 +225,12 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
         sb_linear_bf16_amx(M, N, K, x, ldx, wp, bias, y, ldy, y_f32);
         return;
     }
+#ifndef __AVX512BF16__
+    if (M > MR) {
+        linear_bf16_widened(M, N, K, x, ldx, wp, bias, y, ldy, y_f32);
+        return;
+    }
+#endif
     int npanel = (N + NR - 1) / NR;
     int ngroup = (npanel + NP - 1) / NP;
     long pstride = (long)((K + 1) / 2) * 2 * NR;
