@@ -2,7 +2,7 @@
  * the kernels use, loads and stores of float32 or bfloat16 data (computation is always float32),
  * a vectorised exp, and lane reductions.
  *
- * Built with -O3 -march=native. On AVX-512F `vf` is one zmm register; on AVX2 + FMA it is a pair
+ * Built with -O3 -march=native. On AVX-512 `vf` is one zmm register; on AVX2 + FMA it is a pair
  * of ymm registers with the same lane semantics, so every kernel has one source for both. Masks
  * (`vmask`) are 16 bits, bit i for lane i, on both. */
 #ifndef SPECBATCH_COMMON_H
@@ -15,8 +15,8 @@
 
 #define SB_INLINE static inline __attribute__((always_inline))
 
-#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
-#error "specbatch's CPU kernels need AVX-512F or AVX2 with FMA"
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "specbatch's CPU kernels need AVX2 and FMA (and use AVX-512 where the CPU has it)"
 #endif
 
 typedef uint16_t vmask;
@@ -39,8 +39,8 @@ SB_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-#ifdef __AVX512F__
-/* ---- AVX-512F: one register ------------------------------------------------------------- */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* ---- AVX-512 (F, BW, VL): one register --------------------------------------------------- */
 #define SB_WIDE 1
 typedef __m512 vf;
 
