@@ -283,51 +283,6 @@ def test_preemption_rebuilds_the_heads_cache(trained) -> None:
     assert small.engine.metrics.spec.accepted > 0
 
 
-class BurstyPolicy:
-    """Nothing drafts for ``idle`` steps, then every request drafts ``k`` for ``busy`` steps."""
-
-    def __init__(self, k: int, idle: int, busy: int) -> None:
-        self.max_draft_length, self.idle, self.busy, self.step = k, idle, busy, 0
-
-    def draft_lengths(self, requests: list) -> list[int]:
-        self.step += 1
-        on = self.step % (self.idle + self.busy) >= self.idle
-        return [self.max_draft_length if on else 0] * len(requests)
-
-    def observe(self, plan, result, seconds: float) -> None:
-        pass
-
-
-def test_the_head_lags_while_nothing_drafts_and_catches_up(trained, monkeypatch) -> None:
-    """While the policy drafts nothing the head reads nothing; the target's features wait for
-    it (at most MAX_FEATURE_LAG positions, then it catches up anyway), and drafting resumes
-    from them: greedy output unchanged, features kept bounded, no block leaked."""
-    import specbatch.scheduler.scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "MAX_FEATURE_LAG", 5)
-    target, head = trained
-    llm = eagle_llm(target, head, "eagle3", k=2)
-    llm.engine.scheduler.policy = BurstyPolicy(2, idle=12, busy=2)
-    proposer = llm.engine.executor.worker.proposer
-    observe, kept, lagged = proposer.observe, [], []
-
-    def spy(step, emitted, accepted, target_pass) -> None:
-        observe(step, emitted, accepted, target_pass)
-        lagged.append(not any(r.draft_token_ids for r in step.requests))
-        # past the prompts' own passes: what an idle head has left to read
-        kept.extend(len(f) for start, f in proposer.pending.values() if start > 0)
-
-    proposer.observe = spy
-    prompts = [*PROMPTS, list(range(100, 140))]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(target, prompts, 64)
-    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks, "leaked KV blocks"
-    assert llm.engine.metrics.spec.accepted > 0
-    assert any(lagged), "the head never lagged"
-    assert max(kept) <= 5 + 1, f"{max(kept)} features kept past a lag bound of 5"
-
-
 N = 6000
 ALPHA = 1e-3  # false-alarm rate
 

@@ -26,8 +26,6 @@ from specbatch.scheduler.output import (
 from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 
-MAX_FEATURE_LAG = 64  # positions an idle EAGLE head may fall behind the target
-
 
 @dataclass(frozen=True)
 class SchedulerLimits:
@@ -51,8 +49,7 @@ class Scheduler:
         draft model): the tokens it has not seen, position by position as the target sees
         them. "features" (an EAGLE head, whose position t reads token t + 1 and the target's
         feature of position t): the positions the target processed since the head last caught
-        up, each with the token after it (none in a step where the policy wants no drafts at
-        all, until it is MAX_FEATURE_LAG behind). "none" (n-gram lookup): nothing.
+        up, each with the token after it. "none" (n-gram lookup): nothing.
 
         ``batch_invariant``: a decoding request's draft length never depends on the rest of
         the batch. Its drafts (the policy's fixed length, cut only by its own max_tokens and
@@ -174,12 +171,7 @@ class Scheduler:
     def _draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
         """What the drafter's KV cache catches up on this step (see ``draft_input``)."""
         if self.draft_input == "features":
-            # An EAGLE head lags while the policy wants no drafts at all, as far as
-            # MAX_FEATURE_LAG positions (the drafter keeps their features until it reads them).
-            lag = req.num_computed - req.num_draft_computed
-            if drafts or not self._draft_idle or lag >= MAX_FEATURE_LAG:
-                return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
-            return []
+            return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
         # A draft model catches up on a request's unseen tokens in the steps where it proposes
         # for it, and reads prompt chunks with the target unless the policy last wanted no
         # drafts at all: a request that drafts nothing lets it lag, at no draft work.

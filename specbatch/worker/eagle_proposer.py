@@ -116,20 +116,9 @@ class EagleProposer:
         target: TargetPass | None,
     ) -> None:
         """Keep the features of the positions the target processed and kept: a prompt chunk's
-        rows, or a decoding request's last token and its accepted drafts; after those the head
-        has not read yet when it did not catch up this step (it lags while nothing drafts)."""
+        rows, or a decoding request's last token and its accepted drafts."""
         assert target is not None
         accepted_of = {r.request_id: a for r, a in zip(step.sampling, accepted, strict=True)}
         for r, row in zip(step.requests, target.row_starts, strict=True):
             n = len(r.target_token_ids) + accepted_of.get(r.request_id, 0)
-            new = target.features[row : row + n]
-            kept = self.pending.get(r.request_id)
-            if (
-                not r.draft_token_ids
-                and kept is not None
-                and kept[0] <= r.draft_start < kept[0] + len(kept[1]) == r.target_start
-            ):
-                unread = kept[1][r.draft_start - kept[0] :]
-                self.pending[r.request_id] = (r.draft_start, torch.cat([unread, new]))
-            else:
-                self.pending[r.request_id] = (r.target_start, new.clone())
+            self.pending[r.request_id] = (r.target_start, target.features[row : row + n].clone())
