@@ -178,7 +178,7 @@ static void linear_bf16_widened(int M, int N, int K, const uint16_t* x, long ldx
     int esz = y_f32 ? 4 : 2;
 #pragma omp parallel if (par)
     {
-        float* wf = (float*)malloc(sizeof(float) * NP * (size_t)wstride + 64);
+        float* wf = (float*)malloc(sizeof(float) * NP * (size_t)wstride);
 #pragma omp for schedule(static)
         for (int g = 0; g < ngroup; g++) {
             int p = g * NP;
