@@ -85,7 +85,16 @@ def amx_path(request: pytest.FixtureRequest, kern: CpuKernels):
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 704, 256), (3, 17, 7), (6, 100, 33), (70, 48, 64), (20, 100, 96), (17, 4096, 256)],
+    [
+        (1, 704, 256),
+        (2, 300, 33),
+        (3, 17, 7),
+        (3, 200, 64),
+        (6, 100, 33),
+        (70, 48, 64),
+        (20, 100, 96),
+        (17, 4096, 256),
+    ],
 )
 def test_linear_matches_torch(
     dtype: torch.dtype, amx: bool, amx_path: bool, m: int, n: int, k: int, kern: CpuKernels
@@ -119,6 +128,8 @@ def test_linear_row_does_not_depend_on_the_batch(
         assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
         pair = kern.linear(x[r - 1 : r + 1] if r else x[:2], packed)
         assert torch.equal(pair[1 if r else 0], whole[r]), f"row {r} differs in a batch of 2"
+        three = kern.linear(x[r - 2 : r + 1] if r else x[:3], packed)
+        assert torch.equal(three[2 if r else 0], whole[r]), f"row {r} differs in a batch of 3"
 
 
 # --- layer ops --------------------------------------------------------------------------

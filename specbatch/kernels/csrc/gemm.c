@@ -1,12 +1,15 @@
 /* y = x W^T (+ bias) for float32 and bfloat16 weights packed in panels of 16 output features.
  *
  * float32 panels: [ceil(N/16)][K][16]; bfloat16 panels: [ceil(N/16)][ceil(K/2)][16][2] (pairs
- * along K, the operand layout of AVX512-BF16's dot product). A micro-kernel computes up to
- * MR rows of x against NP panels with every partial sum in a register, streaming each panel
- * once per MR rows (4 rows x 4 panels on AVX-512's 32 registers, 4 x 1 on AVX2's 16). bfloat16 runs
- * on the BF16 dot product where the CPU has it, else as two FMAs per pair (k, then k + 1). Every
- * output is summed over k in the same order whatever M is and wherever its row sits in x, so a
- * row's result does not depend on the rest of the batch. */
+ * along K, the operand layout of AVX512-BF16's dot product). A micro-kernel computes a tile of
+ * rows of x against a group of panels with every partial sum in a register, streaming each
+ * panel once per tile: MR rows x NP panels (4 x 4 on AVX-512's 32 registers, 4 x 1 on AVX2's
+ * 16); fewer rows take more panels on AVX-512, so that enough independent sums are in flight
+ * while the weights stream past (decoding at batch 1 sends one row). With several rows, a
+ * group's first tile prefetches the next group, whose panels then arrive while the other tiles
+ * compute. bfloat16 runs on the BF16 dot product where the CPU has it, else as two FMAs per
+ * pair (k, then k + 1). Every output is summed over k in the same order whatever the tile, M
+ * or the row's place in x, so a row's result does not depend on the rest of the batch. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -15,14 +18,43 @@
 #define MR 4
 #if SB_WIDE
 #define NP 4
+#define NP1 8  /* panels of a one-row tile */
+#define NP2 8  /* of a two-row tile */
+#define NP3 5  /* of a three-row tile */
+#define NPMAX 16
 #else
 #define NP 1
+#define NP1 1
+#define NP2 1
+#define NP3 1
+#define NPMAX 1 /* arrays of sums small enough to live in registers */
 #endif
 #define NR 16
 
-SB_INLINE void finish(vf acc[MR][NP], int mr, int np, int n_left, const void* bias,
-                      const int bias_bf16, void* y, long ldy, const int y_bf16) {
-    for (int j = 0; j < NP; j++) {
+/* One cache line of the next group's panels, into L1. */
+SB_INLINE void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+
+/* A panel vector read by every row of a tile stays in registers: on AVX2, GCC would otherwise
+ * fold its load into each row's FMA, and the loads, not the FMAs, would set the pace. */
+SB_INLINE void keep_in_register(vf* v) {
+#if SB_WIDE
+    (void)v;
+#else
+    __asm__("" : "+x"(v->lo), "+x"(v->hi));
+#endif
+}
+
+/* Whether a group's first tile prefetches the next group (one row streams best alone). */
+SB_INLINE int prefetches(int M) { return M > 1; }
+
+/* The tile (TM rows x TP panels, both constants where a kernel is called) for M rows. */
+SB_INLINE int tile_rows(int M) { return M < MR ? M : MR; }
+SB_INLINE int tile_panels(int tm) { return tm == 1 ? NP1 : tm == 2 ? NP2 : tm == 3 ? NP3 : NP; }
+
+SB_INLINE void finish(const int TM, const int TP, vf acc[MR][NPMAX], int mr, int np, int n_left,
+                      const void* bias, const int bias_bf16, void* y, long ldy,
+                      const int y_bf16) {
+    for (int j = 0; j < TP; j++) {
         if (j >= np) break;
         int nl = n_left - j * NR;
         vmask km = lanes(nl);
@@ -31,7 +63,7 @@ SB_INLINE void finish(vf acc[MR][NP], int mr, int np, int n_left, const void* bi
             const char* bp = (const char*)bias + (long)j * NR * (bias_bf16 ? 2 : 4);
             b = load16(bp, km, bias_bf16);
         }
-        for (int m = 0; m < MR; m++) {
+        for (int m = 0; m < TM; m++) {
             if (m >= mr) break;
             char* yr = (char*)y + ((long)m * ldy + (long)j * NR) * (y_bf16 ? 2 : 4);
             store16(yr, km, vf_add(acc[m][j], b), y_bf16);
@@ -40,40 +72,61 @@ SB_INLINE void finish(vf acc[MR][NP], int mr, int np, int n_left, const void* bi
 }
 
 /* bias_bf16 / y_bf16: the bias and y in bfloat16 (the widened bfloat16 path below) */
-SB_INLINE void kernel_f32(int mr, int np, int K, const float* x, long ldx, const float* w,
-                          long pstride, int n_left, const void* bias, const int bias_bf16,
-                          void* y, long ldy, const int y_bf16) {
-    vf acc[MR][NP];
-    for (int m = 0; m < MR; m++)
-        for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
+SB_INLINE void kernel_f32(const int TM, const int TP, int mr, int np, int K, const float* x,
+                          long ldx, const float* w, long pstride, int n_left, const void* bias,
+                          const int bias_bf16, void* y, long ldy, const int y_bf16,
+                          const float* pf) {
+    vf acc[MR][NPMAX];
+    for (int m = 0; m < TM; m++)
+        for (int j = 0; j < TP; j++) acc[m][j] = vf_zero();
     for (int k = 0; k < K; k++) {
-        vf b[NP];
-        for (int j = 0; j < NP; j++)
+        vf b[NPMAX];
+        if (pf)
+            for (int j = 0; j < TP; j++) prefetch(pf + j * pstride + (long)k * NR);
+        for (int j = 0; j < TP; j++)
             b[j] = j < np ? vf_loadu(w + j * pstride + (long)k * NR) : vf_zero();
-        for (int m = 0; m < MR; m++) {
+        for (int j = 0; j < TP; j++) keep_in_register(&b[j]);
+        for (int m = 0; m < TM; m++) {
             if (m < mr) {
                 vf a = vf_set1(x[m * ldx + k]);
-                for (int j = 0; j < NP; j++) acc[m][j] = vf_fma(a, b[j], acc[m][j]);
+                for (int j = 0; j < TP; j++) acc[m][j] = vf_fma(a, b[j], acc[m][j]);
             }
         }
     }
-    finish(acc, mr, np, n_left, bias, bias_bf16, y, ldy, y_bf16);
+    finish(TM, TP, acc, mr, np, n_left, bias, bias_bf16, y, ldy, y_bf16);
+}
+
+/* kernel_f32 with the tile of tm rows (the call's constants let every tile keep its sums in
+ * registers). */
+SB_INLINE void tile_f32(int tm, int mr, int np, int K, const float* x, long ldx, const float* w,
+                        long pstride, int n_left, const float* bias, float* y, long ldy,
+                        const float* pf) {
+    if (tm == 1)
+        kernel_f32(1, NP1, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+    else if (tm == 2)
+        kernel_f32(2, NP2, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+    else if (tm == 3)
+        kernel_f32(3, NP3, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+    else
+        kernel_f32(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
 }
 
 void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* wp,
                    const float* bias, float* y, long ldy) {
     int npanel = (N + NR - 1) / NR;
-    int ngroup = (npanel + NP - 1) / NP;
+    int tm = tile_rows(M), tp = tile_panels(tm);
+    int ngroup = (npanel + tp - 1) / tp;
     long pstride = (long)K * NR;
     int par = omp_get_max_threads() > 1 && (double)M * N * K > 2e5;
 #pragma omp parallel for schedule(static) if (par)
     for (int g = 0; g < ngroup; g++) {
-        int p = g * NP;
-        int np = npanel - p < NP ? npanel - p : NP;
-        for (int m = 0; m < M; m += MR) {
-            int mr = M - m < MR ? M - m : MR;
-            kernel_f32(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride, N - p * NR,
-                       bias ? bias + p * NR : 0, 0, y + (long)m * ldy + p * NR, ldy, 0);
+        int p = g * tp;
+        int np = npanel - p < tp ? npanel - p : tp;
+        for (int m = 0; m < M; m += tm) {
+            int mr = M - m < tm ? M - m : tm;
+            const float* pf = m == 0 && prefetches(M) && g + 1 < ngroup ? wp + (p + tp) * pstride : 0;
+            tile_f32(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride, N - p * NR,
+                     bias ? bias + p * NR : 0, y + (long)m * ldy + p * NR, ldy, pf);
         }
     }
 }
@@ -87,33 +140,36 @@ int sb_has_bf16_dot(void) {
 }
 
 #ifdef __AVX512BF16__
-SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, const uint16_t* w,
-                           long pstride, int n_left, const uint16_t* bias, void* y, long ldy,
-                           const int y_bf16) {
-    __m512 acc[MR][NP];
-    for (int m = 0; m < MR; m++)
-        for (int j = 0; j < NP; j++) acc[m][j] = _mm512_setzero_ps();
+SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, const uint16_t* x,
+                           long ldx, const uint16_t* w, long pstride, int n_left,
+                           const uint16_t* bias, void* y, long ldy, const int y_bf16,
+                           const uint16_t* pf) {
+    __m512 acc[MR][NPMAX];
+    for (int m = 0; m < TM; m++)
+        for (int j = 0; j < TP; j++) acc[m][j] = _mm512_setzero_ps();
     int K2 = K / 2;
     for (int k2 = 0; k2 < K2; k2++) {
-        __m512i b[NP];
-        for (int j = 0; j < NP; j++)
+        __m512i b[NPMAX];
+        if (pf)
+            for (int j = 0; j < TP; j++) prefetch(pf + j * pstride + (long)k2 * 2 * NR);
+        for (int j = 0; j < TP; j++)
             b[j] = j < np ? _mm512_loadu_si512(w + j * pstride + (long)k2 * 2 * NR)
                           : _mm512_setzero_si512();
-        for (int m = 0; m < MR; m++) {
+        for (int m = 0; m < TM; m++) {
             if (m < mr) {
                 uint32_t pair;
                 memcpy(&pair, x + m * ldx + 2 * k2, 4);
                 __m512i a = _mm512_set1_epi32((int)pair);
-                for (int j = 0; j < NP; j++)
+                for (int j = 0; j < TP; j++)
                     acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)a, (__m512bh)b[j]);
             }
         }
     }
     if (K & 1) { /* the last pair holds one real element; its partner in the panel is 0 */
-        for (int j = 0; j < NP; j++) {
+        for (int j = 0; j < TP; j++) {
             if (j >= np) break;
             __m512i bj = _mm512_loadu_si512(w + j * pstride + (long)K2 * 2 * NR);
-            for (int m = 0; m < MR; m++) {
+            for (int m = 0; m < TM; m++) {
                 if (m < mr) {
                     uint32_t pair = x[m * ldx + K - 1];
                     acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)_mm512_set1_epi32((int)pair),
@@ -122,43 +178,46 @@ SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, c
             }
         }
     }
-    finish(acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
+    finish(TM, TP, acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
 #else
 /* Without the dot product: per pair, acc += x[k] w[k], then acc += x[k + 1] w[k + 1]. */
-SB_INLINE void kernel_bf16(int mr, int np, int K, const uint16_t* x, long ldx, const uint16_t* w,
-                           long pstride, int n_left, const uint16_t* bias, void* y, long ldy,
-                           const int y_bf16) {
-    vf acc[MR][NP];
-    for (int m = 0; m < MR; m++)
-        for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
+SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, const uint16_t* x,
+                           long ldx, const uint16_t* w, long pstride, int n_left,
+                           const uint16_t* bias, void* y, long ldy, const int y_bf16,
+                           const uint16_t* pf) {
+    vf acc[MR][NPMAX];
+    for (int m = 0; m < TM; m++)
+        for (int j = 0; j < TP; j++) acc[m][j] = vf_zero();
     int K2 = K / 2;
     for (int k2 = 0; k2 < K2; k2++) {
-        vf be[NP], bo[NP];
-        for (int j = 0; j < NP; j++) {
+        vf be[NPMAX], bo[NPMAX];
+        if (pf)
+            for (int j = 0; j < TP; j++) prefetch(pf + j * pstride + (long)k2 * 2 * NR);
+        for (int j = 0; j < TP; j++) {
             if (j < np)
                 bf16_pairs(w + j * pstride + (long)k2 * 2 * NR, &be[j], &bo[j]);
             else
                 be[j] = bo[j] = vf_zero();
         }
-        for (int m = 0; m < MR; m++) {
+        for (int m = 0; m < TM; m++) {
             if (m < mr) {
                 vf ae = vf_set1(bf16_to_f32(x[m * ldx + 2 * k2]));
                 vf ao = vf_set1(bf16_to_f32(x[m * ldx + 2 * k2 + 1]));
-                for (int j = 0; j < NP; j++) acc[m][j] = vf_fma(ao, bo[j], vf_fma(ae, be[j], acc[m][j]));
+                for (int j = 0; j < TP; j++) acc[m][j] = vf_fma(ao, bo[j], vf_fma(ae, be[j], acc[m][j]));
             }
         }
     }
     if (K & 1) { /* the last pair holds one real element */
-        for (int j = 0; j < NP; j++) {
+        for (int j = 0; j < TP; j++) {
             if (j >= np) break;
             vf be, bo;
             bf16_pairs(w + j * pstride + (long)K2 * 2 * NR, &be, &bo);
-            for (int m = 0; m < MR; m++)
+            for (int m = 0; m < TM; m++)
                 if (m < mr) acc[m][j] = vf_fma(vf_set1(bf16_to_f32(x[m * ldx + K - 1])), be, acc[m][j]);
         }
     }
-    finish(acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
+    finish(TM, TP, acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
 
 /* More than MR rows: x and each group of panels are widened to float32 once and every block of
@@ -197,11 +256,11 @@ static void linear_bf16_widened(int M, int N, int K, const uint16_t* x, long ldx
                 int mr = M - m < MR ? M - m : MR;
                 char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
                 if (y_f32)
-                    kernel_f32(mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
-                               bias ? bias + p * NR : 0, 1, yp, ldy, 0);
+                    kernel_f32(MR, NP, mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
+                               bias ? bias + p * NR : 0, 1, yp, ldy, 0, 0);
                 else
-                    kernel_f32(mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
-                               bias ? bias + p * NR : 0, 1, yp, ldy, 1);
+                    kernel_f32(MR, NP, mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
+                               bias ? bias + p * NR : 0, 1, yp, ldy, 1, 0);
             }
         }
         free(wf);
@@ -209,6 +268,19 @@ static void linear_bf16_widened(int M, int N, int K, const uint16_t* x, long ldx
     free(xf);
 }
 #endif
+
+SB_INLINE void tile_bf16(int tm, int mr, int np, int K, const uint16_t* x, long ldx,
+                         const uint16_t* w, long pstride, int n_left, const uint16_t* bias,
+                         void* y, long ldy, const int y_bf16, const uint16_t* pf) {
+    if (tm == 1)
+        kernel_bf16(1, NP1, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, y_bf16, pf);
+    else if (tm == 2)
+        kernel_bf16(2, NP2, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, y_bf16, pf);
+    else if (tm == 3)
+        kernel_bf16(3, NP3, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, y_bf16, pf);
+    else
+        kernel_bf16(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, y_bf16, pf);
+}
 
 void sb_linear_bf16_amx(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*,
                         void*, long, int);
@@ -232,23 +304,25 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
     }
 #endif
     int npanel = (N + NR - 1) / NR;
-    int ngroup = (npanel + NP - 1) / NP;
+    int tm = tile_rows(M), tp = tile_panels(tm);
+    int ngroup = (npanel + tp - 1) / tp;
     long pstride = (long)((K + 1) / 2) * 2 * NR;
     int par = omp_get_max_threads() > 1 && (double)M * N * K > 2e5;
     int esz = y_f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (par)
     for (int g = 0; g < ngroup; g++) {
-        int p = g * NP;
-        int np = npanel - p < NP ? npanel - p : NP;
-        for (int m = 0; m < M; m += MR) {
-            int mr = M - m < MR ? M - m : MR;
+        int p = g * tp;
+        int np = npanel - p < tp ? npanel - p : tp;
+        for (int m = 0; m < M; m += tm) {
+            int mr = M - m < tm ? M - m : tm;
             char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
+            const uint16_t* pf = m == 0 && prefetches(M) && g + 1 < ngroup ? wp + (p + tp) * pstride : 0;
             if (y_f32)
-                kernel_bf16(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
-                            N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 0);
+                tile_bf16(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
+                          N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 0, pf);
             else
-                kernel_bf16(mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
-                            N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 1);
+                tile_bf16(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
+                          N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 1, pf);
         }
     }
 }
