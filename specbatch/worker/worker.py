@@ -280,11 +280,14 @@ class Worker:
             who = torch.tensor(row_request, dtype=torch.int64, device=self.device)
             before = torch.tensor(row_before, dtype=torch.int64, device=self.device)
             logits = step.penalties.apply(logits, who, proposal.tokens.index_select(0, who), before)
-        st = SamplingTensors.from_params(params, self.device)
-        st = st.repeat_interleave([g + 1 for g in gammas])
         asking = [k for k, sp in enumerate(params) if sp.logprobs is not None]
+        st = None  # each verified row's sampling parameters, unless argmaxes are all it needs
+        if asking or not greedy:
+            st = SamplingTensors.from_params(params, self.device)
+            st = st.repeat_interleave([g + 1 for g in gammas])
         logprobs, logprob_rows = None, {}
         if asking:
+            assert st is not None
             pick: list[int] = []
             for k in asking:
                 logprob_rows[k] = len(pick)
@@ -295,6 +298,7 @@ class Worker:
             tokens = logits.argmax(dim=-1).index_select(0, expand_rows)
             p = tokens.view(len(sampling), g_max + 1)
         else:
+            assert st is not None
             probs = logits_to_probs(logits, st)
             p = probs.index_select(0, expand_rows).view(len(sampling), g_max + 1, -1)
         return _Verified(p, target_pass, logprobs, logprob_rows, prompt_logprobs)
