@@ -44,8 +44,11 @@ SB_INLINE void keep_in_register(vf* v) {
 #endif
 }
 
-/* Whether a group's first tile prefetches the next group (one row streams best alone). */
-SB_INLINE int prefetches(int M) { return M > 1; }
+/* Whether tile m of panel group g (of ngroup) prefetches the next group: a group's first tile,
+ * when there are several rows (one row streams best alone) and a next group. */
+SB_INLINE int prefetches(int M, int m, int g, int ngroup) {
+    return M > 1 && m == 0 && g + 1 < ngroup;
+}
 
 /* The tile (TM rows x TP panels, both constants where a kernel is called) for M rows. */
 SB_INLINE int tile_rows(int M) { return M < MR ? M : MR; }
@@ -124,7 +127,7 @@ void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* w
         int np = npanel - p < tp ? npanel - p : tp;
         for (int m = 0; m < M; m += tm) {
             int mr = M - m < tm ? M - m : tm;
-            const float* pf = m == 0 && prefetches(M) && g + 1 < ngroup ? wp + (p + tp) * pstride : 0;
+            const float* pf = prefetches(M, m, g, ngroup) ? wp + (p + tp) * pstride : 0;
             tile_f32(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride, N - p * NR,
                      bias ? bias + p * NR : 0, y + (long)m * ldy + p * NR, ldy, pf);
         }
@@ -316,7 +319,7 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
         for (int m = 0; m < M; m += tm) {
             int mr = M - m < tm ? M - m : tm;
             char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
-            const uint16_t* pf = m == 0 && prefetches(M) && g + 1 < ngroup ? wp + (p + tp) * pstride : 0;
+            const uint16_t* pf = prefetches(M, m, g, ngroup) ? wp + (p + tp) * pstride : 0;
             if (y_f32)
                 tile_bf16(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
                           N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 0, pf);
