@@ -153,10 +153,13 @@ class CpuKernels:
     def kv_cache_shapes(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Keys ``[block, head, d, block_size]``, values ``[block, head, block_size, d]``."""
+        """Keys ``[block, head, d, block_size]``, values ``[block, head, slots, d]`` with
+        ``slots`` the block size rounded up to even. In bfloat16 the elements inside a block's
+        head lie in pairs (``csrc/attention.c``): keys ``[d / 2, block_size, 2]``, values
+        ``[slots / 2, d, 2]``."""
         return (
             (num_blocks, num_kv_heads, head_dim, block_size),
-            (num_blocks, num_kv_heads, block_size, head_dim),
+            (num_blocks, num_kv_heads, block_size + block_size % 2, head_dim),
         )
 
     def write_kv(

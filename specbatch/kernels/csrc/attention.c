@@ -2,12 +2,17 @@
  * decodes and (gamma + 1)-token verifications in one call, reading keys and values in place
  * through each sequence's block table (nothing is gathered into a temporary).
  *
- * Cache layout (this backend's own): keys [block][kv head][d][block_size], values
- * [block][kv head][block_size][d], so 16 consecutive keys of a block are one vector lane-wise
- * and their scores need no horizontal sums. Query row i of a sequence with q_len new tokens and
- * seq_len positions sees keys 0 .. seq_len - q_len + i. The query heads that share a kv head
- * are processed together (up to 16 query vectors a tile), each key block loaded once a tile.
- * Softmax is the online (streaming) form, in float32. */
+ * Cache layout (this backend's own), per block and kv head: in float32, keys [d][block_size]
+ * and values [block_size][d], so 16 consecutive keys of a block are one vector lane-wise and
+ * their scores need no horizontal sums; in bfloat16 the same with pairs in 32-bit lanes, keys
+ * [d / 2][block_size][2] (dimensions 2i and 2i + 1 of a key side by side) and values
+ * [block_size / 2][d][2] (keys 2j and 2j + 1 of a dimension side by side), so that q . k and
+ * p . v take two products a lane per instruction (AVX512-BF16's dot product; elsewhere two
+ * FMAs), p rounded to bfloat16 for the second as on GPUs. The value rows of a block are padded
+ * to an even count. Query row i of a sequence with q_len new tokens and seq_len positions sees
+ * keys 0 .. seq_len - q_len + i. The query heads that share a kv head are processed together
+ * (up to 16 query vectors a tile), each key block loaded once a tile. Softmax is the online
+ * (streaming) form, in float32. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -40,20 +45,19 @@ typedef struct {
 #define PARTS 2
 #endif
 
-/* scores s[v][lane] = q_v . key(c + lane) for NV query vectors and 16 keys of one block,
+/* float32 scores s[v][lane] = q_v . key(c + lane) for NV query vectors and 16 keys of a block,
  * VG vectors at a time with PARTS partial sums each (enough independent FMA chains in flight).
  * Every vector's sums run in the same order whatever NV is: a score does not depend on which
  * other query vectors share its tile. */
-SB_INLINE void scores(const int NV, const float* qv, const char* kb, int c, int bs, int d,
-                      vmask km, vf* s, const int bf16) {
-    const int esz = bf16 ? 2 : 4;
+SB_INLINE void scores(const int NV, const float* qv, const float* kb, int c, int bs, int d,
+                      vmask km, vf* s) {
     for (int v0 = 0; v0 < NV; v0 += VG) {
         vf part[VG][PARTS];
         for (int v = 0; v < VG; v++)
             for (int u = 0; u < PARTS; u++) part[v][u] = vf_zero();
         for (int i = 0; i < d; i += PARTS) {
             for (int u = 0; u < PARTS; u++) {
-                vf kd = load16(kb + ((long)(i + u) * bs + c) * esz, km, bf16);
+                vf kd = load16(kb + (long)(i + u) * bs + c, km, 0);
                 for (int v = 0; v < VG; v++)
                     if (v0 + v < NV)
                         part[v][u] = vf_fma(vf_set1(qv[(v0 + v) * DMAX + i + u]), kd, part[v][u]);
@@ -70,11 +74,10 @@ SB_INLINE void scores(const int NV, const float* qv, const char* kb, int c, int 
     }
 }
 
-/* acc[v] += sum_j p[v][j] * value(c + j), j < n: up to VG vectors at once, even and odd keys in
- * separate sums, every value row loaded once per group of vectors. */
-SB_INLINE void add_values(const int NV, float* acc, const float (*p)[16], const char* vb, int c,
-                          int n, int d, const int bf16) {
-    const int esz = bf16 ? 2 : 4;
+/* float32 acc[v] += sum_j p[v][j] * value(c + j), j < n: up to VG vectors at once, even and
+ * odd keys in separate sums, every value row loaded once per group of vectors. */
+SB_INLINE void add_values(const int NV, float* acc, const float (*p)[16], const float* vb, int c,
+                          int n, int d) {
     for (int i = 0; i < d; i += 16) {
         for (int v0 = 0; v0 < NV; v0 += VG) {
             vf a[VG][2];
@@ -85,8 +88,8 @@ SB_INLINE void add_values(const int NV, float* acc, const float (*p)[16], const 
                 }
             int j = 0;
             for (; j + 1 < n; j += 2) {
-                vf x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
-                vf x1 = load16(vb + ((long)(c + j + 1) * d + i) * esz, 0xffff, bf16);
+                vf x0 = vf_loadu(vb + (long)(c + j) * d + i);
+                vf x1 = vf_loadu(vb + (long)(c + j + 1) * d + i);
                 for (int u = 0; u < VG; u++)
                     if (v0 + u < NV) {
                         a[u][0] = vf_fma(vf_set1(p[v0 + u][j]), x0, a[u][0]);
@@ -94,10 +97,75 @@ SB_INLINE void add_values(const int NV, float* acc, const float (*p)[16], const 
                     }
             }
             if (j < n) {
-                vf x0 = load16(vb + ((long)(c + j) * d + i) * esz, 0xffff, bf16);
+                vf x0 = vf_loadu(vb + (long)(c + j) * d + i);
                 for (int u = 0; u < VG; u++)
                     if (v0 + u < NV)
                         a[u][0] = vf_fma(vf_set1(p[v0 + u][j]), x0, a[u][0]);
+            }
+            for (int u = 0; u < VG; u++)
+                if (v0 + u < NV)
+                    vf_store(acc + (v0 + u) * DMAX + i, vf_add(a[u][0], a[u][1]));
+        }
+    }
+}
+
+/* The bfloat16 forms of scores() (unscaled q pairs; the sums times `scale`) and add_values()
+ * (p as bfloat16 pairs, pp[v][j] = keys c + 2j and c + 2j + 1), on the paired layouts. */
+SB_INLINE void scores_bf16(const int NV, const uint32_t* qp, const uint16_t* kb, int c, int bs,
+                           int d, vmask km, float scale, vf* s) {
+    for (int v0 = 0; v0 < NV; v0 += VG) {
+        vf part[VG][PARTS];
+        for (int v = 0; v < VG; v++)
+            for (int u = 0; u < PARTS; u++) part[v][u] = vf_zero();
+        for (int i = 0; i < d / 2; i += PARTS) {
+            for (int u = 0; u < PARTS; u++) {
+                bpairs kd = bpairs_load(kb + ((long)(i + u) * bs + c) * 2, km);
+                for (int v = 0; v < VG; v++)
+                    if (v0 + v < NV)
+                        part[v][u] = vf_dot_pairs(part[v][u], qp[(v0 + v) * (DMAX / 2) + i + u], kd);
+            }
+        }
+        for (int v = 0; v < VG; v++) {
+            if (v0 + v >= NV) continue;
+            vf sum = vf_add(part[v][0], part[v][1]);
+#if PARTS == 4
+            sum = vf_add(sum, vf_add(part[v][2], part[v][3]));
+#endif
+            s[v0 + v] = vf_mul(sum, vf_set1(scale));
+        }
+    }
+}
+
+SB_INLINE void add_values_bf16(const int NV, float* acc, const uint32_t (*pp)[8],
+                               const uint16_t* vb, int c, int n, int d) {
+    const int full = n / 2;
+    for (int i = 0; i < d; i += 16) {
+        for (int v0 = 0; v0 < NV; v0 += VG) {
+            vf a[VG][2];
+            for (int u = 0; u < VG; u++)
+                if (v0 + u < NV) {
+                    a[u][0] = vf_load(acc + (v0 + u) * DMAX + i);
+                    a[u][1] = vf_zero();
+                }
+            int j = 0;
+            for (; j + 1 < full; j += 2) {
+                bpairs x0 = bpairs_load(vb + ((long)(c / 2 + j) * d + i) * 2, 0xffff);
+                bpairs x1 = bpairs_load(vb + ((long)(c / 2 + j + 1) * d + i) * 2, 0xffff);
+                for (int u = 0; u < VG; u++)
+                    if (v0 + u < NV) {
+                        a[u][0] = vf_dot_pairs(a[u][0], pp[v0 + u][j], x0);
+                        a[u][1] = vf_dot_pairs(a[u][1], pp[v0 + u][j + 1], x1);
+                    }
+            }
+            if (j < full) {
+                bpairs x0 = bpairs_load(vb + ((long)(c / 2 + j) * d + i) * 2, 0xffff);
+                for (int u = 0; u < VG; u++)
+                    if (v0 + u < NV) a[u][0] = vf_dot_pairs(a[u][0], pp[v0 + u][j], x0);
+            }
+            if (n & 1) { /* the last key's partner slot may never have been written */
+                bpairs x1 = bpairs_load_low(vb + ((long)(c / 2 + full) * d + i) * 2);
+                for (int u = 0; u < VG; u++)
+                    if (v0 + u < NV) a[u][1] = vf_dot_pairs(a[u][1], pp[v0 + u][full], x1);
             }
             for (int u = 0; u < VG; u++)
                 if (v0 + u < NV)
@@ -116,7 +184,8 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
     const long row0 = a->qsl[b];
     const int q_len = (int)(a->qsl[b + 1] - row0);
     const int ctx = (int)a->seq_lens[b] - q_len;
-    float qv[QT * DMAX] __attribute__((aligned(64)));
+    float qv[QT * DMAX] __attribute__((aligned(64)));   /* float32: q * scale */
+    uint32_t qp[QT * DMAX / 2] __attribute__((aligned(64)));  /* bfloat16: q's pairs */
     float acc[QT * DMAX] __attribute__((aligned(64)));
     float mx[QT], l[QT];
     int vis[QT];
@@ -129,39 +198,47 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
         vis[v] = v < nv ? ctx + r + 1 : 0;
         if (vis[v] > kend) kend = vis[v];
         const char* qr = a->q + ((row0 + r) * a->ldq + (long)h * d) * esz;
+        if (bf16) memcpy(qp + v * (DMAX / 2), qr, (size_t)d * 2);
         for (int i = 0; i < d; i += 16) {
-            vf x = vf_mul(load16(qr + (long)i * esz, 0xffff, bf16), vf_set1(a->scale));
-            vf_store(qv + v * DMAX + i, x);
+            if (!bf16) {
+                vf x = vf_mul(load16(qr + (long)i * esz, 0xffff, 0), vf_set1(a->scale));
+                vf_store(qv + v * DMAX + i, x);
+            }
             vf_store(acc + v * DMAX + i, vf_zero());
         }
     }
     const int64_t* bt = a->block_tables + (long)b * a->bt_stride;
-    const long head_elems = (long)d * bs;
+    const long k_elems = (long)d * bs, v_elems = (long)d * (bs + (bs & 1));
     for (int start = 0; start < kend; start += bs) {
         long phys = bt[start / bs];
-        const char* kb = a->k_cache + ((phys * a->hkv + kvh) * head_elems) * esz;
-        const char* vb = a->v_cache + ((phys * a->hkv + kvh) * head_elems) * esz;
+        const char* kb = a->k_cache + ((phys * a->hkv + kvh) * k_elems) * esz;
+        const char* vb = a->v_cache + ((phys * a->hkv + kvh) * v_elems) * esz;
         if (start == 0 && bs < kend) { /* the first two blocks are fetched together */
             long next = bt[1];
-            prefetch_block(a->k_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
-            prefetch_block(a->v_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
+            prefetch_block(a->k_cache + ((next * a->hkv + kvh) * k_elems) * esz, k_elems * esz);
+            prefetch_block(a->v_cache + ((next * a->hkv + kvh) * v_elems) * esz, v_elems * esz);
         }
         if (start + 2 * bs < kend) {
             long next = bt[start / bs + 2];
-            prefetch_block(a->k_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
-            prefetch_block(a->v_cache + ((next * a->hkv + kvh) * head_elems) * esz, head_elems * esz);
+            prefetch_block(a->k_cache + ((next * a->hkv + kvh) * k_elems) * esz, k_elems * esz);
+            prefetch_block(a->v_cache + ((next * a->hkv + kvh) * v_elems) * esz, v_elems * esz);
         }
         for (int c = 0; c < bs && start + c < kend; c += 16) {
             int n = bs - c < 16 ? bs - c : 16;
             if (kend - (start + c) < n) n = kend - (start + c);
             vf s[QT];
-            scores(NV, qv, kb, c, bs, d, lanes(n), s, bf16);
+            if (bf16)
+                scores_bf16(NV, qp, (const uint16_t*)kb, c, bs, d, lanes(n), a->scale, s);
+            else
+                scores(NV, qv, (const float*)kb, c, bs, d, lanes(n), s);
             float p[QT][16] __attribute__((aligned(64)));
+            uint32_t pp[QT][8] __attribute__((aligned(64)));
             for (int v = 0; v < NV; v++) {
                 int seen = vis[v] - (start + c);
                 vmask vm = lanes(seen < 0 ? 0 : seen) & lanes(n);
                 if (!vm) {
                     vf_store(p[v], vf_zero());
+                    if (bf16) memset(pp[v], 0, sizeof pp[v]);
                     continue;
                 }
                 vf sv = vf_select(vm, s[v], vf_set1(-INFINITY));
@@ -176,9 +253,15 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
                 }
                 vf pv = vf_select(vm, exp16(vf_sub(sv, vf_set1(mx[v]))), vf_zero());
                 l[v] += vf_sum(pv);
-                vf_store(p[v], pv);
+                if (bf16)
+                    _mm256_store_si256((__m256i*)pp[v], f32x16_to_bf16(pv));
+                else
+                    vf_store(p[v], pv);
             }
-            add_values(NV, acc, (const float (*)[16])p, vb, c, n, d, bf16);
+            if (bf16)
+                add_values_bf16(NV, acc, (const uint32_t (*)[8])pp, (const uint16_t*)vb, c, n, d);
+            else
+                add_values(NV, acc, (const float (*)[16])p, (const float*)vb, c, n, d);
         }
     }
     for (int v = 0; v < nv; v++) {

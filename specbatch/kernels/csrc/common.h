@@ -265,6 +265,48 @@ SB_INLINE void bf16_pairs(const uint16_t* p, vf* even, vf* odd) {
 }
 #endif
 
+/* Pairs of bfloat16 values: a 32-bit lane holds elements 2i (low half) and 2i + 1 (high half).
+ * vf_dot_pairs(acc, pair, b) adds pair.low * b.low + pair.high * b.high to every lane of acc,
+ * `pair` one pair broadcast, with AVX512-BF16's dot product where the CPU has it, else as two
+ * FMAs on the pairs widened to float32. Loads read 16 pairs; lanes outside m read as 0, and
+ * bpairs_load_low reads every lane's low half only (its high half as 0). */
+#ifdef __AVX512BF16__
+typedef __m512i bpairs;
+SB_INLINE bpairs bpairs_load(const uint16_t* p, vmask m) { return _mm512_maskz_loadu_epi32(m, p); }
+SB_INLINE bpairs bpairs_load_low(const uint16_t* p) {
+    return _mm512_maskz_loadu_epi16(0x55555555u, p);
+}
+SB_INLINE vf vf_dot_pairs(vf acc, uint32_t pair, bpairs b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)b);
+}
+#else
+typedef struct {
+    vf low, high;
+} bpairs;
+SB_INLINE bpairs bpairs_load(const uint16_t* p, vmask m) {
+    bpairs b;
+    if (m == 0xffff) {
+        bf16_pairs(p, &b.low, &b.high);
+        return b;
+    }
+    uint32_t tmp[16] = {0};
+    for (int i = 0; i < 16; i++)
+        if (m >> i & 1) memcpy(tmp + i, p + 2 * i, 4);
+    bf16_pairs((const uint16_t*)tmp, &b.low, &b.high);
+    return b;
+}
+SB_INLINE bpairs bpairs_load_low(const uint16_t* p) {
+    bpairs b;
+    bf16_pairs(p, &b.low, &b.high);
+    b.high = vf_zero();
+    return b;
+}
+SB_INLINE vf vf_dot_pairs(vf acc, uint32_t pair, bpairs b) {
+    acc = vf_fma(vf_set1(bf16_to_f32((uint16_t)pair)), b.low, acc);
+    return vf_fma(vf_set1(bf16_to_f32((uint16_t)(pair >> 16))), b.high, acc);
+}
+#endif
+
 /* exp(x), relative error about 1e-7 on the whole float range; exp(-inf) = 0. */
 SB_INLINE vf exp16(vf x) {
     const vf lo = vf_set1(-104.0f), hi = vf_set1(88.7f);

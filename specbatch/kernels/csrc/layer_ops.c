@@ -108,23 +108,31 @@ void sb_silu_and_mul(int rows, int n, const void* x, void* out, int bf16) {
 }
 
 /* Scatter the new tokens' keys and values (rows ldk / ldv elements apart, hkv heads of d) into
- * the CPU cache layout: keys [block][head][d][block_size], values [block][head][block_size][d]. */
+ * the CPU cache layout (attention.c): per block and head, float32 keys [d][block_size] and
+ * values [block_size][d]; bfloat16 keys [d / 2][block_size][2] and values
+ * [block_size / 2][d][2]; value rows padded to an even count. */
 void sb_write_kv(int rows, int hkv, int d, const void* k, long ldk, const void* v, long ldv,
                  const int64_t* slots, void* k_cache, void* v_cache, int block_size, int bf16) {
     const int esz = bf16 ? 2 : 4;
+    const long k_elems = (long)d * block_size, v_elems = (long)d * (block_size + (block_size & 1));
     for (int r = 0; r < rows; r++) {
         long blk = slots[r] / block_size, off = slots[r] % block_size;
         for (int h = 0; h < hkv; h++) {
             const char* kr = (const char*)k + ((long)r * ldk + (long)h * d) * esz;
             const char* vr = (const char*)v + ((long)r * ldv + (long)h * d) * esz;
-            long base = (blk * hkv + h) * (long)d * block_size;
-            char* vc = (char*)v_cache + (base + off * d) * esz;
-            memcpy(vc, vr, (size_t)d * esz);
+            long kbase = (blk * hkv + h) * k_elems, vbase = (blk * hkv + h) * v_elems;
             if (bf16) {
-                uint16_t* kc = (uint16_t*)k_cache + base + off;
-                for (int i = 0; i < d; i++) kc[(long)i * block_size] = ((const uint16_t*)kr)[i];
+                const uint16_t *ks = (const uint16_t*)kr, *vs = (const uint16_t*)vr;
+                uint16_t* kc = (uint16_t*)k_cache + kbase + off * 2;
+                uint16_t* vc = (uint16_t*)v_cache + vbase + (off / 2) * d * 2 + (off & 1);
+                for (int i = 0; i < d; i += 2) {
+                    kc[(long)(i / 2) * block_size * 2] = ks[i];
+                    kc[(long)(i / 2) * block_size * 2 + 1] = ks[i + 1];
+                }
+                for (int i = 0; i < d; i++) vc[2 * i] = vs[i];
             } else {
-                float* kc = (float*)k_cache + base + off;
+                memcpy((char*)v_cache + (vbase + off * d) * esz, vr, (size_t)d * esz);
+                float* kc = (float*)k_cache + kbase + off;
                 for (int i = 0; i < d; i++) kc[(long)i * block_size] = ((const float*)kr)[i];
             }
         }

@@ -1,8 +1,8 @@
 """The CPU attention backend: specbatch's own kernel over the paged cache (``kernels/csrc``).
 
 One call per layer covers the whole ragged batch, reading keys and values in place through the
-block tables; its cache layout is its own (keys ``[block, head, D, block_size]``, values
-``[block, head, block_size, D]``), so a cache written by it is read only by it.
+block tables; its cache layout is its own (``CpuKernels.kv_cache_shapes``), so a cache written
+by it is read only by it.
 """
 
 from __future__ import annotations
