@@ -250,6 +250,27 @@ def test_attention_matches_reference(
     torch.testing.assert_close(vc, ref_vc, atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_over_a_large_cache_matches_reference(threads: int, kern: CpuKernels) -> None:
+    """A call that reads more keys and values than a core's L2 prefetches each work item's
+    during the one before, a thread running consecutive items: every item still runs once,
+    with its own outputs."""
+    query_lens = [1, 3, 1, 5] * 6  # decodes and verifications
+    seq_lens = [300 + 7 * i for i in range(24)]  # 7.5 MB of float32 keys and values
+    q, k, v, k_cache, v_cache, meta, _ = random_paged_batch(
+        query_lens, seq_lens, 16, 4, 2, 64, seed=11
+    )
+    kc, vc = to_cpu_layout(k_cache, v_cache)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = CpuAttentionBackend(kern).forward(q, k, v, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_reads_each_sequence_own_slots(kern: CpuKernels) -> None:
     """Changing one cached key changes exactly the outputs of the sequence holding it, from the
     first query row that sees its position."""

@@ -20,6 +20,12 @@
 
 #define QT 16   /* query vectors per tile */
 #define DMAX 256
+/* A call that reads more keys and values than this (about a core's L2) prefetches each work
+ * item's during the one before; below it they mostly come from the caches, and prefetches
+ * only cost instructions. A thread's first item, up to PREFETCH_BLOCKS blocks of it, is
+ * prefetched as it starts. */
+#define PREFETCH_MIN_BYTES (3L << 18)
+#define PREFETCH_BLOCKS 16
 
 typedef struct {
     const int64_t* qsl;
@@ -122,7 +128,8 @@ SB_INLINE void scores_bf16(const int NV, const uint32_t* qp, const uint16_t* kb,
                 bpairs kd = bpairs_load(kb + ((long)(i + u) * bs + c) * 2, km);
                 for (int v = 0; v < VG; v++)
                     if (v0 + v < NV)
-                        part[v][u] = vf_dot_pairs(part[v][u], qp[(v0 + v) * (DMAX / 2) + i + u], kd);
+                        part[v][u] =
+                            vf_dot_pairs(part[v][u], qp[(v0 + v) * (DMAX / 2) + i + u], kd);
             }
         }
         for (int v = 0; v < VG; v++) {
@@ -178,7 +185,26 @@ SB_INLINE void prefetch_block(const char* p, long bytes) {
     for (long off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, int nv, const int bf16) {
+/* Blocks j0 .. j1 - 1 of sequence b's keys and values of kv head kvh, asked for into L2: the
+ * next work item's, a share at each block of the item computing now, since its blocks lie
+ * anywhere in the pool and the hardware prefetchers cannot see them coming. */
+SB_INLINE void prefetch_blocks(const attn_args* a, int b, int kvh, int j0, int j1, const int bf16) {
+    const int esz = bf16 ? 2 : 4, bs = a->block_size;
+    const long k_bytes = (long)a->d * bs * esz, v_bytes = (long)a->d * (bs + (bs & 1)) * esz;
+    const int64_t* bt = a->block_tables + (long)b * a->bt_stride;
+    const int nblk = (int)((a->seq_lens[b] + bs - 1) / bs);
+    for (int j = j0; j < j1 && j < nblk; j++) {
+        const char* kb = a->k_cache + (bt[j] * a->hkv + kvh) * k_bytes;
+        const char* vb = a->v_cache + (bt[j] * a->hkv + kvh) * v_bytes;
+        for (long off = 0; off < k_bytes; off += 64) _mm_prefetch(kb + off, _MM_HINT_T1);
+        for (long off = 0; off < v_bytes; off += 64) _mm_prefetch(vb + off, _MM_HINT_T1);
+    }
+}
+
+/* One work item: query vectors v0 .. v0 + nv - 1 of sequence b's kv head kvh. `next` is the
+ * item this thread runs next, {b, kvh}, or b = -1 when its blocks are not to be prefetched. */
+SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, int nv,
+                    const int next[2], const int bf16) {
     const int esz = bf16 ? 2 : 4;
     const int G = a->hq / a->hkv, d = a->d, bs = a->block_size;
     const long row0 = a->qsl[b];
@@ -209,8 +235,15 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
     }
     const int64_t* bt = a->block_tables + (long)b * a->bt_stride;
     const long k_elems = (long)d * bs, v_elems = (long)d * (bs + (bs & 1));
+    const int nblk = (kend + bs - 1) / bs;
+    const int next_blocks = next[0] < 0 ? 0 : (int)((a->seq_lens[next[0]] + bs - 1) / bs);
+    const int next_share = (next_blocks + nblk - 1) / nblk; /* its blocks per block of this one */
     for (int start = 0; start < kend; start += bs) {
         long phys = bt[start / bs];
+        if (next_share) {
+            int j = start / bs * next_share;
+            prefetch_blocks(a, next[0], next[1], j, j + next_share, bf16);
+        }
         const char* kb = a->k_cache + ((phys * a->hkv + kvh) * k_elems) * esz;
         const char* vb = a->v_cache + ((phys * a->hkv + kvh) * v_elems) * esz;
         if (start == 0 && bs < kend) { /* the first two blocks are fetched together */
@@ -274,16 +307,17 @@ SB_INLINE void tile(const int NV, const attn_args* a, int b, int kvh, int v0, in
     }
 }
 
-SB_INLINE void run_tile(const attn_args* a, int b, int kvh, int v0, int nv, const int bf16) {
+SB_INLINE void run_tile(const attn_args* a, int b, int kvh, int v0, int nv, const int next[2],
+                        const int bf16) {
     switch (nv) {
-        case 1: tile(1, a, b, kvh, v0, nv, bf16); break;
-        case 2: tile(2, a, b, kvh, v0, nv, bf16); break;
-        case 3: tile(3, a, b, kvh, v0, nv, bf16); break;
-        case 4: tile(4, a, b, kvh, v0, nv, bf16); break;
-        case 5: case 6: tile(6, a, b, kvh, v0, nv, bf16); break;
-        case 7: case 8: tile(8, a, b, kvh, v0, nv, bf16); break;
-        case 9: case 10: case 11: case 12: tile(12, a, b, kvh, v0, nv, bf16); break;
-        default: tile(16, a, b, kvh, v0, nv, bf16); break;
+        case 1: tile(1, a, b, kvh, v0, nv, next, bf16); break;
+        case 2: tile(2, a, b, kvh, v0, nv, next, bf16); break;
+        case 3: tile(3, a, b, kvh, v0, nv, next, bf16); break;
+        case 4: tile(4, a, b, kvh, v0, nv, next, bf16); break;
+        case 5: case 6: tile(6, a, b, kvh, v0, nv, next, bf16); break;
+        case 7: case 8: tile(8, a, b, kvh, v0, nv, next, bf16); break;
+        case 9: case 10: case 11: case 12: tile(12, a, b, kvh, v0, nv, next, bf16); break;
+        default: tile(16, a, b, kvh, v0, nv, next, bf16); break;
     }
 }
 
@@ -291,10 +325,13 @@ SB_INLINE void attention_impl(const attn_args* a, int num_seqs, const int bf16) 
     const int G = a->hq / a->hkv;
     /* one work item per (sequence, kv head, tile of query vectors) */
     int items = 0;
+    long kv_bytes = 0;
     for (int b = 0; b < num_seqs; b++) {
         int nvec = (int)(a->qsl[b + 1] - a->qsl[b]) * G;
         items += a->hkv * ((nvec + QT - 1) / QT);
+        kv_bytes += a->seq_lens[b] * a->hkv * a->d * 2 * (bf16 ? 2 : 4);
     }
+    const int prefetch = kv_bytes > PREFETCH_MIN_BYTES;
     int* work = (int*)malloc(sizeof(int) * 3 * (size_t)(items > 0 ? items : 1));
     int it = 0;
     for (int b = 0; b < num_seqs; b++) {
@@ -307,12 +344,24 @@ SB_INLINE void attention_impl(const attn_args* a, int num_seqs, const int bf16) 
                 it++;
             }
     }
-    int par = omp_get_max_threads() > 1 && items > 1;
-#pragma omp parallel for schedule(dynamic, 1) if (par)
+    const int threads = omp_get_max_threads(), par = threads > 1 && items > 1;
+    /* a thread takes `chunk` consecutive items, so that it knows which one it runs next */
+    const int chunk = !prefetch ? 1 : threads == 1 ? (items > 0 ? items : 1) : 8;
+#pragma omp parallel for schedule(dynamic, chunk) if (par)
     for (int i = 0; i < items; i++) {
         int b = work[3 * i], kvh = work[3 * i + 1], v0 = work[3 * i + 2];
         int nvec = (int)(a->qsl[b + 1] - a->qsl[b]) * G;
-        run_tile(a, b, kvh, v0, nvec - v0 < QT ? nvec - v0 : QT, bf16);
+        int next[2] = {-1, 0};
+        if (prefetch) {
+            if (i % chunk == 0) /* nothing prefetched this item: the start of the thread's run */
+                prefetch_blocks(a, b, kvh, 0, PREFETCH_BLOCKS, bf16);
+            int n = i + 1;
+            if (n < items && n % chunk != 0 && (work[3 * n] != b || work[3 * n + 1] != kvh)) {
+                next[0] = work[3 * n];
+                next[1] = work[3 * n + 1];
+            }
+        }
+        run_tile(a, b, kvh, v0, nvec - v0 < QT ? nvec - v0 : QT, next, bf16);
     }
     free(work);
 }

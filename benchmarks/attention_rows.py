@@ -1,0 +1,131 @@
+"""What attention over the paged cache costs in one target forward as the batch, the cached
+context and the query rows a sequence sends grow, on the kernels' float32 and bfloat16 paths.
+
+The built-in target's shapes (its layers, query and KV heads, head size; block size 16), random
+keys and values in shuffled blocks, as many caches as the target has layers so that they
+stream from memory as in a real forward. A sequence sends one query row when decoding and
+k + 1 when its k drafts are verified. The paths take turns within each round; a cell is the
+median of the rounds. KV GB/s: the keys and values read, over the time.
+
+    OMP_NUM_THREADS=1 python benchmarks/attention_rows.py [--batch-sizes 1 8 64] \
+        [--contexts 128 512] [--query-rows 1 3 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, format_table, machine_info, set_threads, write_json
+from benchmarks.gemm_rows import TARGET_CONFIG
+from specbatch.kernels.cpu import CpuKernels, cpu_kernels
+
+BLOCK_SIZE = 16
+
+
+def target_shape() -> tuple[int, int, int, int]:
+    """Layers, query heads, KV heads and head size of the built-in target."""
+    cfg = json.loads(TARGET_CONFIG.read_text())
+    heads = cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"], heads, cfg.get("num_key_value_heads") or heads, d
+
+
+def caches_of(
+    kernels: CpuKernels, dtype: torch.dtype, batch: int, context: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's key and value caches, full of random values, for ``batch`` sequences."""
+    layers, _, hkv, d = target_shape()
+    num_blocks = batch * -(-context // BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(0)
+    k_shape, v_shape = kernels.kv_cache_shapes(num_blocks, BLOCK_SIZE, hkv, d)
+
+    def random(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    return [(random(k_shape), random(v_shape)) for _ in range(layers)]
+
+
+def queries_of(dtype: torch.dtype, batch: int, context: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """``rows`` query rows a sequence, their row starts, the lengths and shuffled block tables."""
+    _, hq, _, d = target_shape()
+    per_seq = -(-context // BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(1)
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
+    q = torch.randn(batch * rows, hq, d, generator=gen).to(dtype)
+    starts = torch.arange(0, batch * rows + 1, rows, dtype=torch.int64)
+    return q, starts, torch.full((batch,), context, dtype=torch.int64), tables
+
+
+def forward_ms(kernels: CpuKernels, caches, inputs, repeat: int) -> float:
+    q, starts, lens, tables = inputs
+    scale = q.shape[-1] ** -0.5
+    for kc, vc in caches:  # warm-up
+        kernels.paged_attention(q, starts, lens, tables, kc, vc, scale)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        for kc, vc in caches:
+            kernels.paged_attention(q, starts, lens, tables, kc, vc, scale)
+    return (time.perf_counter() - t0) / repeat * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--query-rows", type=int, nargs="+", default=[1, 3, 5])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS_DIR / "attention_rows.json"))
+    args = ap.parse_args()
+    set_threads(args.threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        sys.exit("error: the CPU kernels are not available here")
+    layers, _, hkv, d = target_shape()
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    cases = [(b, c, r) for b in args.batch_sizes for c in args.contexts for r in args.query_rows]
+    times: dict[tuple[str, int, int, int], list[float]] = {}
+    for b in args.batch_sizes:
+        for c in args.contexts:
+            caches = {name: caches_of(kernels, dtype, b, c) for name, dtype in dtypes.items()}
+            queries = {(name, r): queries_of(dtype, b, c, r)
+                       for name, dtype in dtypes.items() for r in args.query_rows}  # fmt: skip
+            repeat = max(2, 4096 // (b * c // 16))
+            for _ in range(args.rounds):
+                for r in args.query_rows:
+                    for name in dtypes:
+                        times.setdefault((name, b, c, r), []).append(
+                            forward_ms(kernels, caches[name], queries[(name, r)], repeat)
+                        )
+            del caches
+    median = {key: statistics.median(v) for key, v in times.items()}
+    table, cells = [], []
+    for b, c, r in cases:
+        row: list[object] = [b, c, r]
+        for name, dtype in dtypes.items():
+            ms = median[(name, b, c, r)]
+            kv_bytes = 2 * layers * b * c * hkv * d * torch.finfo(dtype).bits // 8
+            over_one = ms / median[(name, b, c, args.query_rows[0])]
+            row += [f"{ms:.3f} ({over_one:.2f}x)", f"{kv_bytes / ms / 1e6:.1f}"]
+            cells.append({"path": name, "batch": b, "context": c, "query_rows": r, "ms": ms,
+                          "kv_gb_s": kv_bytes / ms / 1e6,
+                          "runs_ms": times[(name, b, c, r)]})  # fmt: skip
+        table.append(row)
+    print(f"ms for one forward's attention ({layers} layers; x: over {args.query_rows[0]} row)")
+    heads = ["batch", "context", "rows", "float32 ms", "GB/s", "bfloat16 ms", "GB/s"]
+    print(format_table(heads, table))
+    out = write_json(args.out, {"args": vars(args), "cells": cells, "machine": machine_info()})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
