@@ -114,7 +114,8 @@ void sb_silu_and_mul(int rows, int n, const void* x, void* out, int bf16) {
 void sb_write_kv(int rows, int hkv, int d, const void* k, long ldk, const void* v, long ldv,
                  const int64_t* slots, void* k_cache, void* v_cache, int block_size, int bf16) {
     const int esz = bf16 ? 2 : 4;
-    const long k_elems = (long)d * block_size, v_elems = (long)d * (block_size + (block_size & 1));
+    const long k_elems = (long)d * block_size;
+    const long v_elems = (long)d * (block_size + (block_size & 1));
     for (int r = 0; r < rows; r++) {
         long blk = slots[r] / block_size, off = slots[r] % block_size;
         for (int h = 0; h < hkv; h++) {
@@ -125,10 +126,7 @@ void sb_write_kv(int rows, int hkv, int d, const void* k, long ldk, const void* 
                 const uint16_t *ks = (const uint16_t*)kr, *vs = (const uint16_t*)vr;
                 uint16_t* kc = (uint16_t*)k_cache + kbase + off * 2;
                 uint16_t* vc = (uint16_t*)v_cache + vbase + (off / 2) * d * 2 + (off & 1);
-                for (int i = 0; i < d; i += 2) {
-                    kc[(long)(i / 2) * block_size * 2] = ks[i];
-                    kc[(long)(i / 2) * block_size * 2 + 1] = ks[i + 1];
-                }
+                for (int i = 0; i < d; i += 2) memcpy(kc + (long)i * block_size, ks + i, 4);
                 for (int i = 0; i < d; i++) vc[2 * i] = vs[i];
             } else {
                 memcpy((char*)v_cache + (vbase + off * d) * esz, vr, (size_t)d * esz);
