@@ -212,7 +212,7 @@ def test_min_tokens_holds_back_eos(pair, make_checkpoint, method):
 def test_n_completions_share_the_prompt_blocks_and_give_them_back(pair, method):
     llm = engine(pair, method)
     e = llm.engine
-    p = prompts(1, seed=6)[0] + list(range(3, 23))  # several full blocks of 4
+    p = prompts(1, seed=6)[0] + list(range(3, 25))  # 34 tokens: full blocks of 4 and a part
     params = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True, n=4, seed=8)
     e.add_request({"prompt_token_ids": p}, params, request_id="r")
     shared = 0

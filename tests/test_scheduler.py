@@ -255,3 +255,47 @@ def test_speculation_statistics_count_only_tested_drafts():
     assert s.acceptance_by_position == [2 / 3, 1 / 2, 1.0, 1.0]
     a, g = 5 / 7, 10 / 3
     assert abs(s.predicted_tokens_per_round() - (1 - a ** (g + 1)) / (1 - a)) < 1e-12
+
+
+def test_a_preempted_request_starts_again_from_position_zero():
+    """Recompute preemption: when re-admitted, the target reads the request from position 0,
+    and so does its drafter (a draft model reads tokens 0.. with the target; an EAGLE head,
+    whose position t reads token t + 1 and the target's feature at t, reads tokens 1.. one step
+    after the target), in every mode of draft input."""
+    for draft_input in ("tokens", "features", "none"):
+        kv = KVCacheManager(8, 4)  # 32 slots: two requests of 12 tokens cannot both grow
+        sched = Scheduler(
+            SchedulerLimits(4, 64, 32),
+            kv,
+            StopChecker(None),
+            policy=FixedDraftLength(2),
+            speculative=True,
+            draft_input=draft_input,
+        )
+        for rid in "ab":
+            sched.add_request(request(rid, prompt_len=10, max_tokens=20, max_len=32))
+        rng = random.Random(0)
+        again: list = []  # the preempted request's first two steps after re-admission
+        for _ in range(200):
+            plan = sched.schedule()
+            if plan.num_preempted:
+                victim = sched.waiting[0]
+                assert victim.num_computed == victim.num_draft_computed == 0
+            for sr in plan.requests:
+                if sched.requests[sr.request_id].num_preemptions and len(again) < 2:
+                    again.append(sr)
+            sched.update(plan, simulate(plan, rng))
+            if len(again) == 2:
+                break
+        assert len(again) == 2, draft_input
+        first, second = again
+        tokens = first.target_token_ids
+        assert first.target_start == 0 and tokens[:10] == list(range(1, 11))
+        if draft_input == "tokens":
+            assert first.draft_start == 0 and first.draft_token_ids == tokens
+        elif draft_input == "features":
+            assert first.draft_token_ids == []
+            assert second.draft_start == 0
+            assert second.draft_token_ids[: len(tokens) - 1] == tokens[1:]
+        else:
+            assert first.draft_token_ids == second.draft_token_ids == []

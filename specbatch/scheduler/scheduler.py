@@ -73,6 +73,7 @@ class Scheduler:
         self._forget: list[str] = []
         self._draft_idle = False  # the last policy call wanted no drafts at all
         self._forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork it
+        self._fork_of: dict[str, str] = {}  # a waiting fork -> the request it shares blocks of
         self._sampled_once: set[str] = set()  # fork sources that sampled once, not yet ready
         self.num_preemptions = 0
 
@@ -129,7 +130,7 @@ class Scheduler:
         budget -= sum(n for _, n in chosen)
         gammas = self._grant_drafts(chosen, budget)
         budget -= sum(gammas.values())
-        if not preempted:
+        if not preempted or not chosen:  # a step that preempted everything admits the first
             self._admit(chosen, budget)
 
         out = SchedulerOutput(num_preempted=preempted, finished_request_ids=self._forget)
@@ -249,21 +250,41 @@ class Scheduler:
         return gammas
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+        """Admit waiting requests in order while blocks, sequence slots and budget last. A
+        waiting request holds no block: a fork takes its share of its source's blocks here."""
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
+            shared = self._share_source_blocks(req)
             n = min(self._to_compute(req), budget)
             if not self.kv.allocate(req.request_id, req.num_computed + n):
+                if shared:  # give the shared blocks back until it can run
+                    self.kv.free(req.request_id)
+                    req.num_computed = req.num_draft_computed = 0
                 break
             self.waiting.popleft()
+            self._fork_of.pop(req.request_id, None)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
 
+    def _share_source_blocks(self, req: Request) -> int:
+        """For a fork: share the full prompt blocks its source's caches hold now (none if the
+        source finished or was preempted); returns the slots shared."""
+        source = self.requests.get(self._fork_of.get(req.request_id, ""))
+        if source is None or not self.kv.has_table(source.request_id):
+            return 0
+        bs = self.kv.block_size
+        shared = min(self._filled(source), self._shareable(source)) // bs * bs
+        if shared:
+            self.kv.fork(req.request_id, source.request_id, shared // bs)
+            req.num_computed = req.num_draft_computed = shared
+        return shared
+
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the request's cache and requeue it at the front."""
         if req.request_id in self._forks:
-            self._fork_waiting(req)  # while its blocks are still there
+            self._fork_waiting(req)
         self.kv.free(req.request_id)
         req.num_computed = 0
         req.num_draft_computed = 0
@@ -344,17 +365,11 @@ class Scheduler:
         return self._filled(req) >= self._shareable(req)
 
     def _fork_waiting(self, source: Request) -> None:
-        """Start the requests waiting to fork ``source``: shared blocks where its caches are
-        filled, from scratch where they are not (it finished or was preempted first)."""
+        """Queue the requests waiting to fork ``source`` at the front; each shares its
+        source's filled prompt blocks when admitted (``_share_source_blocks``)."""
         self._sampled_once.discard(source.request_id)
-        bs = self.kv.block_size
-        shared = min(self._filled(source), self._shareable(source)) // bs * bs
-        if not self.kv.has_table(source.request_id):
-            shared = 0
         for req in reversed(self._forks.pop(source.request_id, [])):
-            if shared:
-                self.kv.fork(req.request_id, source.request_id, shared // self.kv.block_size)
-            req.num_computed = req.num_draft_computed = shared
+            self._fork_of[req.request_id] = source.request_id
             self.waiting.appendleft(req)
 
     def _finish(self, req: Request) -> None:
@@ -362,6 +377,7 @@ class Scheduler:
         req.finished_time = time.monotonic()
         if req.request_id in self._forks:
             self._fork_waiting(req)
+        self._fork_of.pop(req.request_id, None)
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_worker:
