@@ -10,4 +10,9 @@ class InvalidInputError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """The engine itself failed (a worker died, a step timed out); requests in flight are lost."""
+    """The engine itself failed (a worker died, a step timed out); requests in flight are lost.
+
+    Raised from ``LLM.generate`` / ``LLM.chat``, ``outputs`` holds what had finished, in input
+    order (None for each request that had not)."""
+
+    outputs: list | None = None

@@ -302,7 +302,10 @@ def test_dead_or_hung_worker_raises_engine_error(engines, pair) -> None:
         try:
             llm.generate(
                 [{"prompt_token_ids": PROMPT}] * 128,
-                SamplingParams(temperature=1.0, max_tokens=58, ignore_eos=True),
+                [
+                    SamplingParams(temperature=1.0, max_tokens=2 if i < 8 else 58, ignore_eos=True)
+                    for i in range(128)
+                ],
                 use_tqdm=False,
             )
         except BaseException as e:
@@ -311,7 +314,7 @@ def test_dead_or_hung_worker_raises_engine_error(engines, pair) -> None:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
-    while llm.engine.metrics.num_steps < 3 and thread.is_alive() and time.monotonic() < deadline:
+    while llm.engine.metrics.num_steps < 6 and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert thread.is_alive(), f"generate ended before the kill: {box}"
     t_kill = time.monotonic()
@@ -322,6 +325,11 @@ def test_dead_or_hung_worker_raises_engine_error(engines, pair) -> None:
     assert isinstance(err, EngineError), repr(err)
     assert box["t"] - t_kill < 60
     assert "rank 1" in str(err) and "died" in str(err), str(err)
+    # what finished before the failure comes back with the error, in input order
+    assert err.outputs is not None and len(err.outputs) == 128
+    kept = [o for o in err.outputs[:8] if o is not None]
+    assert kept and all(o.finished and len(o.outputs[0].token_ids) == 2 for o in kept)
+    assert any(o is None for o in err.outputs[8:])
     assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
     assert_released(executor)
     with pytest.raises(EngineError, match="workers are gone"):

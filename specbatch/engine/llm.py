@@ -10,7 +10,7 @@ from typing import Any
 from specbatch.chat import Message, check_messages, conversations_of, render_chat
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine, PromptInput
-from specbatch.errors import InvalidInputError
+from specbatch.errors import EngineError, InvalidInputError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 
@@ -90,15 +90,18 @@ class LLM:
             self.engine.add_checked_request(text, tokens, sp)
             for (text, tokens), sp in zip(checked, params)
         ]
+        done: dict[str, RequestOutput] = {}
         try:
-            done = self._run(set(ids), use_tqdm)
-        except BaseException:
+            self._run(set(ids), done, use_tqdm)
+        except BaseException as e:
             self.engine.abort_request(ids)
+            if isinstance(e, EngineError):
+                e.outputs = [done.get(i) for i in ids]
             raise
         return [done[i] for i in ids]
 
-    def _run(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+    def _run(self, pending: set[str], done: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        """Step until every request of ``pending`` finished, its output put in ``done``."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -119,7 +122,6 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return done
 
     def shutdown(self) -> None:
         self.engine.shutdown()
