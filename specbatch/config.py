@@ -108,6 +108,7 @@ class ModelConfig:
     hf_config: Any = field(repr=False)
     dtype: Any
     tokenizer_path: str | None  # None: the checkpoint has no tokenizer, token-id prompts only
+    field: str = "model"  # the argument that named it, for errors found while loading
 
     @property
     def vocab_size(self) -> int:
@@ -382,7 +383,8 @@ class EngineArgs:
                 msg = field_name + msg[len("model") :]
             raise InvalidInputError(msg) from None
         tok = tokenizer or (path if _has_tokenizer(path) else None)
-        return ModelConfig(str(path), hf_config, resolve_dtype(dtype, hf_config, device), tok)
+        dt = resolve_dtype(dtype, hf_config, device)
+        return ModelConfig(str(path), hf_config, dt, tok, field_name)
 
 
 def eagle_head_config(

@@ -256,3 +256,35 @@ def test_non_finite_temperature_flag(
     argv += ["--output", str(tmp_path / "o"), *ENGINE, f"--temperature={value}"]
     line = run_main(argv, capsys)
     assert line.startswith("error: --temperature must be a finite number"), line
+
+
+def with_nans(model: Path, dst: Path, name: str, count: int) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    out = copy_of(model, dst)
+    weights = load_file(out / "model.safetensors")
+    flat = weights[name].view(-1)
+    flat[:count] = float("nan")
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_non_finite_weights_are_named_at_load(
+    models: dict[str, Path], prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "model.layers.0.self_attn.v_proj.weight"
+    model = with_nans(models["target"], tmp_path / "nan", name, 100)
+    argv = ["generate", "--model", str(model), "--prompts", str(prompts)]
+    line = run_main([*argv, "--output", str(tmp_path / "o.jsonl"), *ENGINE], capsys)
+    assert line.startswith(f"error: --model: weight '{name}' holds 100 non-finite"), line
+    with pytest.raises(InvalidInputError, match=f"^draft_model: weight '{name}' holds 100"):
+        LLM(str(models["target"]), draft_model=str(model), num_kv_blocks=16)
+
+
+def test_a_nan_distribution_still_samples_inside_the_vocabulary() -> None:
+    import torch
+
+    from specbatch.worker.sampler import sample
+
+    probs = torch.full((3, 8), float("nan"))
+    assert int(sample(probs, torch.tensor([0.0, 0.5, 0.999])).max()) < 8

@@ -107,8 +107,9 @@ def _open(file: Path) -> Any:
         raise InvalidInputError(f"model: cannot read '{file}': {e}") from None
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Fill every parameter from the files; raise naming any weight the checkpoint lacks."""
+def load_weights(model: LlamaForCausalLM, files: list[Path], field: str = "model") -> None:
+    """Fill every parameter from the files; raise naming any weight the checkpoint lacks (and
+    ``field``, the argument that named the checkpoint)."""
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
@@ -127,14 +128,14 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                 try:
                     get_weight_loader(param)(param, f.get_slice(hf_name), shard)
                 except InvalidInputError as e:
-                    raise InvalidInputError(f"model: weight '{hf_name}' {e}") from None
+                    raise InvalidInputError(f"{field}: weight '{hf_name}' {e}") from None
                 loaded.add((name, shard))
     missing = sorted(_hf_name(model, n, s) for n, s in _expected(model) - loaded)
     if missing:
         shown = ", ".join(missing[:10]) + (
             f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
         )
-        raise InvalidInputError(f"model: the checkpoint lacks {len(missing)} weight(s): {shown}")
+        raise InvalidInputError(f"{field}: the checkpoint lacks {len(missing)} weight(s): {shown}")
     if unexpected:
         logger.warning(
             "ignoring %d checkpoint tensor(s) the model has no place for: %s",
@@ -150,6 +151,7 @@ def load_model(
     tp: TensorParallelGroup = SINGLE,
     attention_backend: AttentionBackend | None = None,
     use_cpu_kernels: bool = True,
+    field: str = "model",
 ) -> LlamaForCausalLM:
     """This rank's shard of the checkpoint at ``path``, in ``dtype`` on ``device``, ready to run:
     on a CPU through specbatch's kernels where they are available (``use_cpu_kernels=False``:
@@ -159,7 +161,7 @@ def load_model(
     files = checkpoint_files(path)
     check_checkpoint_files(files)
     model = LlamaForCausalLM(hf_config, dtype, device, tp, attention_backend)
-    load_weights(model, files)
+    load_weights(model, files, field)
     if use_cpu_kernels and torch.device(device).type == "cpu":
         from specbatch.kernels.cpu import cpu_kernels
 

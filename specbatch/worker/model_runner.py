@@ -84,7 +84,12 @@ class ModelRunner:
             head_dim=head_dim_of(model_config.hf_config),
         )
         self.model = load_model(
-            model_config.path, model_config.dtype, device, tp, attention_backend=self.backend
+            model_config.path,
+            model_config.dtype,
+            device,
+            tp,
+            attention_backend=self.backend,
+            field=model_config.field,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0

@@ -167,7 +167,8 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Returns the first token whose cumulative mass (float64) exceeds `u * total`, so rows need not
     be normalised and a token of probability 0 is never returned: not at u = 0, and not when
     rounding pushes `u * total` to the end (clamped to the last token with positive mass).
-    Deterministic given `u`. A row with no positive mass at all returns token 0.
+    Deterministic given `u`. A row with no positive mass at all returns token 0, and a row
+    holding NaN a token inside the vocabulary.
     """
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
     target = u.to(torch.float64) * cdf[:, -1]
@@ -175,4 +176,4 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # Adding 0 is exact, so a zero-mass token never raises the CDF: the first index where the CDF
     # reaches the total is a token with positive mass (the last one that still counts).
     last_positive = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False).squeeze(1)
-    return torch.minimum(idx, last_positive)
+    return torch.minimum(idx, last_positive).clamp_(max=probs.shape[-1] - 1)

@@ -70,6 +70,12 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         )
     with torch.no_grad():
         dst.copy_(src)
+    bad = dst.numel() - int(torch.isfinite(dst).sum())
+    if bad:
+        raise InvalidInputError(
+            f"holds {bad} non-finite value(s) (NaN or infinity) in {dst.dtype}: the checkpoint "
+            "is damaged, or its values overflow this dtype"
+        )
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
