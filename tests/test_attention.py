@@ -140,3 +140,84 @@ def test_select_backend() -> None:
     assert isinstance(select_backend(torch.device("cpu"), "torch"), TorchAttentionBackend)
     with pytest.raises(InvalidInputError, match="attention_backend 'flash' is not available"):
         select_backend("cpu", "flash")
+
+
+def naive_tree_attention(q, k_cache, v_cache, query_lens, seq_lens, tables, scale, visible):
+    """``visible[row]``: the key indices query row ``row`` sees."""
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    hq = q.shape[1]
+    out = torch.empty_like(q)
+    row = 0
+    for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
+        keys = torch.stack([k_cache[table[p // bs], p % bs] for p in range(s_len)])
+        vals = torch.stack([v_cache[table[p // bs], p % bs] for p in range(s_len)])
+        for i in range(q_len):
+            idx = torch.tensor(visible[row + i])
+            for h in range(hq):
+                kh = keys[idx, h // (hq // hkv)].double()
+                vh = vals[idx, h // (hq // hkv)].double()
+                w = torch.softmax(kh @ q[row + i, h].double() * scale, dim=0)
+                out[row + i, h] = (w @ vh).to(q.dtype)
+        row += q_len
+    return out
+
+
+def tree_batch(hq: int, hkv: int, d: int, seed: int = 0):
+    """A ragged batch mixing a prompt, a decode, a chain, a prompt chunk and three trees: one
+    over its new rows only (a verification), one whose tree starts before its new rows (a
+    drafter's later depth) and one of 17 rows."""
+    import random
+
+    from specbatch.model.layers.attention import AttentionMetadata
+
+    rng = random.Random(seed)
+    q_lens = [20, 1, 4, 9, 7, 3, 17]
+    s_lens = [20, 13, 30, 41, 23, 30, 50]
+    starts = [-1, -1, -1, -1, 16, 24, 33]  # the 3-row tree's keys start 3 before its rows
+    q, k, v, k_cache, v_cache, _, tables = random_paged_batch(
+        q_lens, s_lens, BLOCK_SIZE, hq, hkv, d, seed
+    )
+    # the tree region's older keys (before the new rows) were written by earlier passes
+    masks: list[int] = []
+    visible: list[list[int]] = []
+    for q_len, s_len, first in zip(q_lens, s_lens, starts, strict=True):
+        ctx = s_len - q_len
+        if first < 0:
+            for i in range(q_len):
+                masks.append(0)
+                visible.append(list(range(ctx + i + 1)))
+            continue
+        # parents among the tree's keys: a random tree whose nodes are in key order
+        size = s_len - first
+        parent = [-1] + [rng.randrange(0, j) for j in range(1, size)]
+        anc = []
+        for j in range(size):
+            bits, a = 0, j
+            while a >= 0:
+                bits |= 1 << a
+                a = parent[a]
+            anc.append(bits)
+        for i in range(q_len):
+            j = ctx - first + i
+            masks.append(anc[j])
+            visible.append(list(range(first)) + [first + b for b in range(size) if anc[j] >> b & 1])
+    for b, (q_len, s_len, first) in enumerate(zip(q_lens, s_lens, starts, strict=True)):
+        for p in range(max(first, 0), s_len - q_len):
+            k_cache[tables[b][p // BLOCK_SIZE], p % BLOCK_SIZE] = torch.randn(hkv, d)
+            v_cache[tables[b][p // BLOCK_SIZE], p % BLOCK_SIZE] = torch.randn(hkv, d)
+    meta = AttentionMetadata.from_lists(
+        q_lens, s_lens, tables, BLOCK_SIZE, tree_starts=starts, tree_masks=masks
+    )
+    return q, k, v, k_cache, v_cache, meta, tables, q_lens, s_lens, visible
+
+
+@pytest.mark.parametrize("short_query_max", [0, 8, 64])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 4), (6, 1)])
+def test_tree_masks_match_naive(short_query_max: int, hq: int, hkv: int) -> None:
+    d, scale = 8, 8**-0.5
+    q, k, v, k_cache, v_cache, meta, tables, q_lens, s_lens, visible = tree_batch(hq, hkv, d)
+    out = TorchAttentionBackend(short_query_max=short_query_max).forward(
+        q, k, v, k_cache, v_cache, meta, scale
+    )
+    ref = naive_tree_attention(q, k_cache, v_cache, q_lens, s_lens, tables, scale, visible)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -5,6 +5,8 @@ Layout of one forward: B sequences, T new tokens in all, sequence after sequence
 of a sequence are the LAST ``q_len`` of its ``seq_len`` positions, and query row ``i`` of it sees
 keys ``0 .. seq_len - q_len + i`` (causal, aligned bottom-right). So one call covers prompts
 (``q_len == seq_len``), prompt chunks, one-token decodes and ``gamma + 1``-token verification.
+A draft tree replaces the causal rule for its sequence by a mask (``tree_starts``/``tree_masks``):
+each node sees the keys before the tree and, inside it, its ancestors and itself.
 
 A layer's cache is a pair ``(k_cache, v_cache)``, each ``[num_blocks, block_size, kv_heads, D]``;
 token position ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
@@ -32,9 +34,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]; slot = block_id * block_size + offset for token t
     query_lens_cpu: list[int]  # host copies, so backends need no device->host sync
     seq_lens_cpu: list[int]
+    # Draft trees. Sequence b with ``tree_starts[b] >= 0`` sees every key before that index and,
+    # of the keys ``tree_starts[b] .. seq_len - 1`` (at most 64 of them), only those whose bit
+    # is set in its query row's ``tree_masks`` entry (bit j: key ``tree_starts[b] + j``). The
+    # other sequences (-1) are causal. None: every sequence is causal.
+    tree_starts: torch.Tensor | None = None  # int64 [B]
+    tree_masks: torch.Tensor | None = None  # int64 [T]
     # Backends memoise per-forward index tensors here (the same metadata object is passed to
     # every layer of one forward). Build a new metadata object for each forward.
     derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def has_tree(self) -> bool:
+        return self.tree_starts is not None
 
     @property
     def num_seqs(self) -> int:
@@ -52,8 +64,11 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        tree_starts: list[int] | None = None,
+        tree_masks: list[int] | None = None,
     ) -> AttentionMetadata:
-        """Build the tensors from host lists (tests and simple runners; O(T) Python work)."""
+        """Build the tensors from host lists (tests and simple runners; O(T) Python work);
+        ``tree_masks`` as Python ints of up to 64 bits."""
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if not 1 <= q_len <= s_len:
                 raise ValueError(
@@ -78,6 +93,11 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )
+        if tree_starts is not None and tree_masks is not None:
+            meta.tree_starts = torch.tensor(tree_starts, dtype=torch.int64, device=device)
+            meta.tree_masks = torch.tensor(
+                [as_int64(m) for m in tree_masks], dtype=torch.int64, device=device
+            )
         meta.validate(block_size)
         return meta
 
@@ -127,6 +147,16 @@ class AttentionBackend(ABC):
         for both, unless the backend lays its cache out otherwise."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
+
+    def move_slots(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy the keys and values of slots ``src`` into slots ``dst`` (a verified draft
+        tree's accepted nodes, moved next to their root); for the ``[blocks, block_size,
+        kv_heads, D]`` layout."""
+        for cache in (k_cache, v_cache):
+            flat = cache.view(-1, cache.shape[2], cache.shape[3])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
 
     @abstractmethod
     def forward(
@@ -211,6 +241,7 @@ class _LongSeq:
     q_len: int
     seq_len: int
     kv_slots: torch.Tensor | None  # [seq_len]; None when the whole sequence is new (a prompt)
+    mask: torch.Tensor | None = None  # [q_len, seq_len] bool of a tree; None: causal
 
 
 @dataclass
@@ -270,7 +301,9 @@ class TorchAttentionBackend(AttentionBackend):
                 ks = k_flat.index_select(0, s.kv_slots)
                 vs = v_flat.index_select(0, s.kv_slots)
             mask = None
-            if s.q_len != s.seq_len:
+            if s.mask is not None:
+                mask = additive_mask(s.mask, q.dtype)
+            elif s.q_len != s.seq_len:
                 mask = torch.ones(s.q_len, s.seq_len, dtype=torch.bool, device=q.device)
                 mask = additive_mask(mask.tril(diagonal=s.seq_len - s.q_len), q.dtype)
             o = sdpa(
@@ -306,7 +339,14 @@ class TorchAttentionBackend(AttentionBackend):
             if q_len != s_len:
                 pos = torch.arange(s_len, device=device)
                 slots = meta.block_tables[i, pos // bs] * bs + pos % bs
-            long.append(_LongSeq(starts[i], starts[i + 1], q_len, s_len, slots))
+            tree = None
+            if meta.tree_starts is not None and meta.tree_masks is not None:
+                first = meta.tree_starts[i : i + 1]
+                bits = meta.tree_masks[starts[i] : starts[i + 1]].unsqueeze(0)
+                keys = torch.arange(s_len, device=device).unsqueeze(0)
+                tree = tree_visibility(first, bits, keys, keys < s_len)[0]
+                tree = torch.where(first >= 0, tree, _causal(q_len, s_len, device))
+            long.append(_LongSeq(starts[i], starts[i + 1], q_len, s_len, slots, tree))
         if not short:
             return _Plan(None, long)
 
@@ -328,6 +368,13 @@ class TorchAttentionBackend(AttentionBackend):
         slots = torch.where(k_valid, slots, slots[:, :1])
         last_visible = (seq_lens - qlen)[:, None] + ar_q[None, :]  # [Bs, max_q]
         mask = (ar_k[None, None, :] <= last_visible[:, :, None]) & k_valid[:, None, :]
+        if meta.tree_starts is not None and meta.tree_masks is not None:
+            first = meta.tree_starts
+            if len(short) != len(q_lens):
+                first = first[idx]
+            bits = torch.where(q_valid, meta.tree_masks[rows.clamp(max=t - 1)], 0)
+            tree = tree_visibility(first, bits, ar_k.expand(len(short), -1), k_valid)
+            mask = torch.where((first >= 0)[:, None, None], tree, mask)
         group = _ShortGroup(
             q_index=torch.where(q_valid, rows, qsl[:, None]),
             out_index=torch.where(q_valid, rows, t).reshape(-1),
@@ -335,3 +382,25 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask.unsqueeze(1),
         )
         return _Plan(group, long)
+
+
+def as_int64(bits: int) -> int:
+    """A mask of up to 64 bits as the signed 64-bit integer with the same bits."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def _causal(q_len: int, s_len: int, device: torch.device) -> torch.Tensor:
+    mask = torch.ones(q_len, s_len, dtype=torch.bool, device=device)
+    return mask.tril(diagonal=s_len - q_len)
+
+
+def tree_visibility(
+    first: torch.Tensor, bits: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Which keys each query row of a tree sees: bool [B, Q, K] for ``first`` [B] (the first
+    key of each tree), ``bits`` [B, Q] (each row's mask over the tree's keys), ``keys`` [B, K]
+    (key indices) and ``valid`` [B, K]."""
+    offset = keys - first[:, None]
+    shift = offset.clamp(0, 63)[:, None, :]
+    inside = ((bits[:, :, None] >> shift) & 1).bool()
+    return torch.where((offset < 0)[:, None, :], True, inside) & valid[:, None, :]
