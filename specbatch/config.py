@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specbatch.draft_shape import DraftShape
 from specbatch.errors import InvalidInputError
 from specbatch.speculative_config import (
     DEFAULT_PROMPT_LOOKUP_MAX,
@@ -172,6 +173,18 @@ class EngineConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     logprobs_mode: str = "raw_logprobs"
+    draft_topk: int = 1  # children per expanded node: 1 drafts chains
+    num_draft_tokens: int = 0  # nodes of a tree (a chain: num_speculative_tokens)
+    tree_children: str = "sampled"  # a tree's children drawn from q, or its top draft_topk
+
+    @property
+    def draft_shape(self) -> DraftShape:
+        """What each decoding request drafts, unless ``auto`` chooses."""
+        k = self.num_speculative_tokens if self.speculative else 0
+        if self.draft_topk == 1 or k == 0:
+            return DraftShape.chain(k)
+        nodes = self.num_draft_tokens or min(63, self.draft_topk * k)
+        return DraftShape(k, self.draft_topk, nodes)
 
     @property
     def speculative(self) -> bool:
@@ -304,8 +317,14 @@ class EngineArgs:
             raise InvalidInputError(
                 f"max_model_len={max_model_len} exceeds the models' context length {limit}"
             )
+        if spec.topk > 1 and k and spec.topk * (k - 1) > 64:
+            raise InvalidInputError(
+                f"speculative_config.topk x (num_speculative_tokens - 1) must be at most 64 (the "
+                f"nodes a tree's drafter expands), got {spec.topk} x {k - 1}"
+            )
+        lookahead = max(k, spec.num_draft_tokens or 0, spec.topk * (k - 1))
         batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        _check_positive_int("max_num_batched_tokens", batched, minimum=k + 1)
+        _check_positive_int("max_num_batched_tokens", batched, minimum=lookahead + 1)
 
         tp = self.tensor_parallel_size
         check_tensor_parallel(target, tp, "model")
@@ -364,6 +383,9 @@ class EngineArgs:
             prompt_lookup_min=spec.prompt_lookup_min,
             batch_invariant=bool(self.batch_invariant),
             logprobs_mode=self.logprobs_mode,
+            draft_topk=spec.topk,
+            num_draft_tokens=spec.num_draft_tokens or 0,
+            tree_children=spec.tree_children,
         )
 
     @staticmethod

@@ -41,15 +41,20 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: rounds accepting > i
     reached_by_position: list[int] = field(default_factory=list)  # [i]: rounds testing draft i
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, rejected: bool | None = None) -> None:
+        """A round that proposed ``num_draft`` drafts (a chain, or a tree's nodes) and accepted
+        ``num_accepted``; ``rejected``: it ended at a rejected draft (None: a chain's rule,
+        fewer accepted than proposed). Position i counts the drafts at depth i + 1."""
         if num_draft == 0:
             return
+        if rejected is None:
+            rejected = num_accepted < num_draft
         self.rounds += 1
         self.proposed += num_draft
         self.accepted += num_accepted
-        self.rejections += num_accepted < num_draft
+        self.rejections += rejected
         self.emitted += num_accepted + 1
-        tested = min(num_accepted + 1, num_draft)
+        tested = num_accepted + rejected
         for counts, n in (
             (self.reached_by_position, tested),
             (self.accepted_by_position, num_accepted),

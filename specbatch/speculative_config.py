@@ -28,7 +28,11 @@ KEYS = (
     "prompt_lookup_min",
     "draft_tensor_parallel_size",
     "max_draft_length",
+    "topk",
+    "num_draft_tokens",
+    "tree_children",
 )
+TREE_CHILDREN = ("sampled", "top")
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 
@@ -42,6 +46,9 @@ class SpeculativeArgs:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     draft_tensor_parallel_size: int | None = None
     max_draft_length: int | None = None
+    topk: int = 1
+    num_draft_tokens: int | None = None
+    tree_children: str = "sampled"
 
 
 def _int(key: str, value: Any, minimum: int) -> int:
@@ -101,4 +108,20 @@ def parse_speculative_config(value: dict[str, Any] | str) -> SpeculativeArgs:
     max_draft = value.get("max_draft_length")
     if max_draft is not None:
         _int("max_draft_length", max_draft, 1)
-    return SpeculativeArgs(method, model, k, lookup_max, lookup_min, draft_tp, max_draft)
+    topk = _int("topk", value.get("topk", 1), 1)
+    nodes = value.get("num_draft_tokens")
+    if nodes is not None:
+        _int("num_draft_tokens", nodes, 1)
+        if nodes > 63:
+            raise InvalidInputError(
+                f"speculative_config.num_draft_tokens must be at most 63, got {nodes}"
+            )
+    children = value.get("tree_children", "sampled")
+    if children not in TREE_CHILDREN:
+        raise InvalidInputError(
+            f"speculative_config.tree_children must be one of {', '.join(TREE_CHILDREN)}, "
+            f"got {children!r}"
+        )
+    return SpeculativeArgs(
+        method, model, k, lookup_max, lookup_min, draft_tp, max_draft, topk, nodes, children
+    )

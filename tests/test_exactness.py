@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
-from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.draft_shape import DraftShape
+from specbatch.scheduler.speculation import FixedDraft
 from specbatch.stats import chi_square_gof, power
 from specbatch.worker import rejection_sampler
 from specbatch.worker.penalties import Penalties
@@ -111,15 +112,15 @@ def test_joint_of_first_three_tokens_is_the_targets(pair, gamma, temperature, to
     assert_matches(samples, exact_joint(pair[0], PROMPT, 3, temperature, top_p))
 
 
-class PerRequestGamma(FixedDraftLength):
+class PerRequestGamma(FixedDraft):
     """A policy giving each request its own draft length (by request id), as an adaptive
     policy would: the batch mixes gammas 0, 2 and 5 in the same steps."""
 
     def __init__(self) -> None:
         super().__init__(5)
 
-    def draft_lengths(self, requests):
-        return [(0, 2, 5)[int(r.request_id) % 3] for r in requests]
+    def draft_shapes(self, requests, prompt_rows=0):
+        return [DraftShape.chain((0, 2, 5)[int(r.request_id) % 3]) for r in requests]
 
 
 def test_mixed_batch_of_temperatures_and_draft_lengths(pair):

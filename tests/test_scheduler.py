@@ -11,7 +11,7 @@ from specbatch.request import FinishReason, Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
-from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.scheduler.speculation import FixedDraft
 from specbatch.stop_checker import StopChecker
 
 
@@ -21,7 +21,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_seqs=8, max_tokens=64, max_l
         SchedulerLimits(max_seqs, max_tokens, max_len),
         kv,
         StopChecker(None),
-        policy=FixedDraftLength(k),
+        policy=FixedDraft(k),
         speculative=k > 0,
     )
     return sched, kv
@@ -177,7 +177,7 @@ def test_the_draft_skips_prompts_while_the_policy_wants_no_drafts():
     plan = sched.schedule()
     assert plan.requests[0].draft_token_ids == [1, 2, 3, 4, 5]  # a prefill: the draft reads it
     sched.update(plan, StepResult({"a": RequestStepResult([100], 0, 0)}))
-    sched.policy = FixedDraftLength(0)
+    sched.policy = FixedDraft(0)
     plan = sched.schedule()  # a decodes, drafting nothing
     sched.update(plan, StepResult({"a": RequestStepResult([101], 0, 0)}))
     sched.add_request(request("b", prompt_len=3, max_tokens=30))
@@ -185,7 +185,7 @@ def test_the_draft_skips_prompts_while_the_policy_wants_no_drafts():
     by_id = {r.request_id: r for r in plan.requests}
     assert by_id["a"].draft_token_ids == [] and by_id["b"].draft_token_ids == []
     sched.update(plan, StepResult({r: RequestStepResult([7], 0, 0) for r in "ab"}))
-    sched.policy = FixedDraftLength(2)
+    sched.policy = FixedDraft(2)
     plan = sched.schedule()  # both draft: the draft catches up on all it has not seen
     by_id = {r.request_id: r for r in plan.requests}
     assert by_id["a"].draft_token_ids == [100, 101, 7] and by_id["b"].draft_token_ids == [
@@ -268,7 +268,7 @@ def test_a_preempted_request_starts_again_from_position_zero():
             SchedulerLimits(4, 64, 32),
             kv,
             StopChecker(None),
-            policy=FixedDraftLength(2),
+            policy=FixedDraft(2),
             speculative=True,
             draft_input=draft_input,
         )

@@ -13,7 +13,7 @@ from specbatch.kv_cache.kv_cache_manager import KVCacheManager, blocks_for
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
-from specbatch.scheduler.speculation import FixedDraftLength
+from specbatch.scheduler.speculation import FixedDraft
 from specbatch.stop_checker import StopChecker
 from tests.test_scheduler import simulate
 
@@ -30,7 +30,7 @@ def random_mix(rng: random.Random, draft_input: str, seed: int):
         SchedulerLimits(rng.choice([1, 2, 4, 16]), max(budget, k + 1), max_len),
         kv,
         StopChecker(None),
-        policy=FixedDraftLength(k),
+        policy=FixedDraft(k),
         speculative=k > 0,
         draft_input=draft_input,
         batch_invariant=rng.random() < 0.2,

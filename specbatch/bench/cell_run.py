@@ -158,7 +158,7 @@ class CellRun:
         policy = self.engine.scheduler.policy
         return CellResult(
             batch_size=self.batch_size,
-            draft_length=policy.max_draft_length if self.engine.config.speculative else 0,
+            draft_length=policy.shape.depth if self.engine.config.speculative else 0,
             num_requests=len(self.finished),
             input_len=self.workload.input_len,
             output_len=self.workload.output_len,

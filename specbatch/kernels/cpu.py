@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -161,6 +162,34 @@ class CpuKernels:
             (num_blocks, num_kv_heads, head_dim, block_size),
             (num_blocks, num_kv_heads, block_size + block_size % 2, head_dim),
         )
+
+    @staticmethod
+    def slot_elements(
+        k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """For the layout of ``kv_cache_shapes``: functions from slots [S] to the flat indices
+        [S, heads, D] of their elements in the key and the value cache."""
+        _, heads, d, bs = k_cache.shape
+        pairs = k_cache.dtype == torch.bfloat16
+        slots2 = v_cache.shape[2]
+        h = torch.arange(heads, device=k_cache.device)[None, :, None]
+        i = torch.arange(d, device=k_cache.device)[None, None, :]
+
+        def keys(slots: torch.Tensor) -> torch.Tensor:
+            blk, off = (slots // bs)[:, None, None], (slots % bs)[:, None, None]
+            head = (blk * heads + h) * d * bs
+            if pairs:  # [d / 2, block_size, 2]
+                return head + (i // 2) * bs * 2 + off * 2 + i % 2
+            return head + i * bs + off
+
+        def values(slots: torch.Tensor) -> torch.Tensor:
+            blk, off = (slots // bs)[:, None, None], (slots % bs)[:, None, None]
+            head = (blk * heads + h) * slots2 * d
+            if pairs:  # [slots / 2, d, 2]
+                return head + (off // 2) * d * 2 + i * 2 + off % 2
+            return head + off * d + i
+
+        return keys, values
 
     def write_kv(
         self,

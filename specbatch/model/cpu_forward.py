@@ -136,6 +136,8 @@ class _FlatLayers:
     ) -> None:
         """q/k/v of the normed input ``x``, their rotation, the K/V write and attention over
         the paged cache, then the output projection into ``out``."""
+        if meta.tree_starts is not None:
+            raise NotImplementedError("draft trees: the CPU attention kernel takes no tree mask")
         m, bf16, eps = self.m, self.bf16, self.eps
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.scratch(ws, "qkv", t, lay.qkv.n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specbatch.draft_shape import DraftShape
 from specbatch.sampling_params import SamplingParams
 
 
@@ -24,8 +25,9 @@ class ScheduledRequest:
 
     The target processes ``target_token_ids`` at positions ``target_start ..`` and, when
     ``sample`` is set (they reach the last known token), verifies ``num_draft`` draft tokens after
-    them and emits 1 .. num_draft+1 tokens. The draft first catches up on ``draft_token_ids`` at
-    positions ``draft_start ..``, then proposes ``num_draft`` tokens.
+    them (a chain, or a tree of that many nodes: ``draft_shape``) and emits 1 .. depth + 1
+    tokens. The draft first catches up on ``draft_token_ids`` at positions ``draft_start ..``,
+    then proposes.
     """
 
     request_id: str
@@ -36,6 +38,11 @@ class ScheduledRequest:
     num_draft: int
     sample: bool
     block_table: list[int]
+    draft_shape: DraftShape | None = None  # None: a chain of num_draft tokens
+
+    @property
+    def shape(self) -> DraftShape:
+        return self.draft_shape or DraftShape.chain(self.num_draft)
 
 
 @dataclass
@@ -62,12 +69,14 @@ PositionLogprobs = tuple[float, int, list[int], list[float]]
 class RequestStepResult:
     """Per scheduled request that sampled: tokens emitted, drafts accepted, and drafts the
     drafter proposed (at most the request's ``num_draft``; an n-gram lookup may find none);
-    with ``logprobs``, one entry per emitted token."""
+    ``rejected``: the round ended at a rejected draft (not at the end of its chain or at a
+    tree's leaf); with ``logprobs``, one entry per emitted token."""
 
     token_ids: list[int]
     num_accepted: int
     num_proposed: int
     logprobs: list[PositionLogprobs] | None = None
+    rejected: bool | None = None  # None: num_accepted < num_proposed (a chain)
 
 
 @dataclass
@@ -76,3 +85,5 @@ class StepResult:
     # request id -> (position of the first prompt token scored, one entry per token from there)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds spent per phase, rank 0
+    # every model pass of the step: ("target" or "draft", its rows, seconds), rank 0's
+    passes: list[tuple[str, int, float]] = field(default_factory=list)

@@ -10,11 +10,13 @@ each model's progress counter back to what was accepted and truncates the block 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import FinishReason, Request, RequestStatus
 from specbatch.scheduler.output import (
@@ -23,7 +25,7 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
-from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
+from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 
 
@@ -60,7 +62,7 @@ class Scheduler:
         self.limits = limits
         self.kv = kv_cache
         self.stop_checker = stop_checker
-        self.policy: SpeculationPolicy = policy or FixedDraftLength(0)
+        self.policy: SpeculationPolicy = policy or FixedDraft(0)
         self.speculative = speculative
         if draft_input not in ("tokens", "features", "none"):
             raise ValueError(f"draft_input must be tokens, features or none, got {draft_input!r}")
@@ -128,8 +130,8 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         preempted = self._schedule_running(chosen, budget)
         budget -= sum(n for _, n in chosen)
-        gammas = self._grant_drafts(chosen, budget)
-        budget -= sum(gammas.values())
+        shapes = self._grant_drafts(chosen, budget)
+        budget -= sum(s.nodes for s in shapes.values())
         if not preempted or not chosen:  # a step that preempted everything admits the first
             self._admit(chosen, budget)
 
@@ -144,7 +146,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            draft_tokens = self._draft_tokens(req, n, end, rid in gammas)
+            draft_tokens = self._draft_tokens(req, n, end, rid in shapes)
+            shape = shapes.get(rid, DraftShape())
             out.requests.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -152,9 +155,10 @@ class Scheduler:
                     target_start=req.num_computed,
                     draft_token_ids=draft_tokens,
                     draft_start=req.num_draft_computed,
-                    num_draft=gammas.get(rid, 0),
+                    num_draft=shape.nodes,
                     sample=end == req.num_tokens,
                     block_table=list(self.kv.block_table(rid)),
+                    draft_shape=None if shape.is_chain else shape,
                 )
             )
         return out
@@ -191,7 +195,7 @@ class Scheduler:
             n = min(self._to_compute(req), budget)
             need = n  # slots and budget this step takes
             if self.batch_invariant and self.speculative and req.num_tokens - req.num_computed == 1:
-                need = 1 + self._own_draft_length(req)
+                need = 1 + self._own_shape(req).lookahead
                 if need > budget:
                     break  # it and the requests after it wait for the next step
             while not self.kv.allocate(req.request_id, req.num_computed + need):
@@ -215,39 +219,53 @@ class Scheduler:
             return left - 1
         return left
 
-    def _own_draft_length(self, req: Request) -> int:
-        """The policy's draft length cut by the request's own limits only."""
+    def _own_shape(self, req: Request) -> DraftShape:
+        """The policy's largest drafts cut by the request's own limits only."""
         room_len = self.limits.max_model_len - req.num_tokens
         room_out = req.max_output_tokens - len(req.output_token_ids) - 1
-        return max(0, min(self.policy.max_draft_length, room_len, room_out))
+        return self.policy.shape.fit(max(0, min(room_len, room_out)))
 
     @staticmethod
     def _prompt_chunk(req: Request, n: int) -> bool:
         """Whether scheduling ``n`` tokens of ``req`` is prefill rather than one decoding step."""
         return req.num_computed + n < req.num_tokens or n > 1
 
-    def _grant_drafts(self, chosen: list[tuple[Request, int]], budget: int) -> dict[str, int]:
-        """Draft lengths for decoding requests, within length limits, budget and free blocks."""
+    def _grant_drafts(
+        self, chosen: list[tuple[Request, int]], budget: int
+    ) -> dict[str, DraftShape]:
+        """Drafts for decoding requests, within length limits, budget and free blocks."""
         if not self.speculative:
             return {}
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
         if not decoding:
             return {}
-        gammas: dict[str, int] = {}
-        wants = self.policy.draft_lengths(decoding)
-        self._draft_idle = not any(wants)
-        for req, want in zip(decoding, wants):
-            gamma = max(0, min(want, self._own_draft_length(req), budget))
-            if gamma and not self.kv.allocate(req.request_id, req.num_computed + 1 + gamma):
+        shapes: dict[str, DraftShape] = {}
+        wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget))
+        self._draft_idle = not any(w.nodes for w in wants)
+        for req, want in zip(decoding, wants, strict=True):
+            room_len = self.limits.max_model_len - req.num_tokens
+            room_out = req.max_output_tokens - len(req.output_token_ids) - 1
+            shape = want.fit(max(0, min(room_len, room_out, budget)))
+            if shape.nodes and not self.kv.allocate(
+                req.request_id, req.num_computed + 1 + shape.lookahead
+            ):
                 fits = self.kv.max_slots_within_free(req.request_id) - req.num_computed - 1
-                gamma = max(0, min(gamma, fits))
-                if gamma:
-                    ok = self.kv.allocate(req.request_id, req.num_computed + 1 + gamma)
+                shape = shape.fit(max(0, fits))
+                if shape.nodes:
+                    ok = self.kv.allocate(req.request_id, req.num_computed + 1 + shape.lookahead)
                     assert ok, "slot arithmetic disagrees with the KV cache manager"
-            if gamma:
-                gammas[req.request_id] = gamma
-                budget -= gamma
-        return gammas
+            if shape.nodes:
+                shapes[req.request_id] = shape
+                budget -= shape.nodes
+        return shapes
+
+    def _prompt_rows(self, chosen: list[tuple[Request, int]], budget: int) -> int:
+        """The prompt rows this step's target pass will carry: the chunks of running requests
+        and what admitting waiting ones will add (as far as seats and budget allow)."""
+        rows = sum(n for r, n in chosen if self._prompt_chunk(r, n))
+        seats = self.limits.max_num_seqs - len(self.running)
+        waiting = sum(self._to_compute(r) for r in itertools.islice(self.waiting, max(seats, 0)))
+        return rows + min(budget, waiting)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         """Admit waiting requests in order while blocks, sequence slots and budget last. A
@@ -305,9 +323,11 @@ class Scheduler:
             if sr.request_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(req, *result.prompt_logprobs[sr.request_id])
             base = sr.target_start + len(sr.target_token_ids)
-            drafted_into = sr.draft_start + len(sr.draft_token_ids) + max(sr.num_draft - 1, 0)
-            if self.draft_input == "features":  # the head kept only the target's positions
-                drafted_into = sr.draft_start + len(sr.draft_token_ids)
+            drafted_into = sr.draft_start + len(sr.draft_token_ids)
+            if self.draft_input == "tokens" and sr.shape.is_chain:
+                # a draft model keeps the K/V of its chain's drafts (an EAGLE head keeps only
+                # the target's positions; a tree's drafts sit in slots of their own)
+                drafted_into += max(sr.num_draft - 1, 0)
             if not sr.sample:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)
@@ -322,7 +342,7 @@ class Scheduler:
                 else:
                     self._sampled_once.add(req.request_id)
             if r.num_proposed:
-                req.spec.record(r.num_proposed, r.num_accepted)
+                req.spec.record(r.num_proposed, r.num_accepted, r.rejected)
                 req.draft_lengths.append(r.num_proposed)
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -1,6 +1,7 @@
 """The draft-model drafter: a smaller model with its own paged KV cache (the target's block
-tables), catching up on the tokens it has not seen, then proposing one batched pass per draft
-position, each token sampled from the draft's q under the request's own sampling transforms."""
+tables), catching up on the tokens it has not seen, then growing each request's drafts one
+batched pass per depth (draft_loop.py), each token drawn from the draft's q under the request's
+own sampling transforms."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import torch
 
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import TensorParallelGroup
-from specbatch.scheduler.output import NewRequestData
-from specbatch.worker.model_runner import ModelRunner
-from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
+from specbatch.worker.draft_loop import Roots, block_tables, catch_up, drafting, grow
+from specbatch.worker.model_runner import ForwardInputs, ModelRunner
+from specbatch.worker.proposer import Drafter, DraftRound, Proposal
 
 
-class DraftModelProposer:
-    feature_layers = None
+class DraftModelProposer(Drafter):
+    draft_input = "tokens"
 
-    def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup, target: object
+    ) -> None:
         assert config.draft is not None
         self.config = config
         self.device = device
@@ -30,39 +33,28 @@ class DraftModelProposer:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
 
-    def add_request(self, new: NewRequestData) -> None:
-        pass
-
-    def finish_request(self, request_id: str) -> None:
-        pass
-
-    def observe(
-        self,
-        step: DraftRound,
-        emitted: list[list[int]],
-        accepted: list[int],
-        target: TargetPass | None,
-    ) -> None:
-        pass
-
     def propose(self, step: DraftRound) -> Proposal:
-        out = step.proposal(self.config.target.vocab_size, self.device)
-        catch = step.catch_up(self.config.block_size, self.device)
+        catch = catch_up(step, self.config.block_size, self.device)
         if catch is None:
-            return out
-        sampling, gammas = step.sampling, step.gammas
-        active = [i for i, g in enumerate(gammas) if g > 0]
-        out.counts = list(gammas)
-        rows = [catch.last_row[sampling[i].request_id] for i in active]
-        logits = self.runner.forward(
-            catch.inputs, torch.tensor(rows, dtype=torch.int64, device=self.device)
+            return step.empty_proposal(self.device)
+        active = drafting(step)
+        reqs = [step.sampling[i] for i in active]
+        rows = [catch.last_row[r.request_id] for r in reqs]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        rows_in = int(catch.inputs.input_ids.shape[0])
+        logits = step.timed(rows_in, lambda: self.runner.forward(catch.inputs, index))
+        roots = Roots(
+            active,
+            logits,
+            None,
+            [r.target_start + len(r.target_token_ids) for r in reqs],
+            block_tables(reqs, self.device),
         )
-        first = [r.target_start + len(r.target_token_ids) for r in sampling]
-        for j in range(max(gammas, default=0)):
-            tokens = step.draw(logits, active, j, out)
-            nxt = step.next_pass(tokens, active, j, first, self.config.block_size)
-            if nxt is None:
-                break
-            active, _, inputs = nxt
-            logits = self.runner.forward(inputs, torch.arange(len(active), device=self.device))
-        return out
+        sampled = self.config.tree_children == "sampled"
+        return grow(step, roots, self._pass, self.config.block_size, sampled)
+
+    def _pass(
+        self, tokens: torch.Tensor, state: torch.Tensor | None, inputs: ForwardInputs
+    ) -> tuple[None, torch.Tensor]:
+        rows = torch.arange(tokens.shape[0], device=self.device)
+        return None, self.runner.forward(inputs, rows)

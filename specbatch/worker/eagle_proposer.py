@@ -3,11 +3,11 @@
 Head position t reads token x_{t+1} and the target's feature f_t; it keeps its own paged KV
 cache (one layer, the target's block tables). Each step it first catches up on the positions
 the target processed in the request's previous step (their features, kept here from that
-pass: the accepted ones only), then drafts: the output at the last of them gives q for the
-token after the newest, and each further draft reads the draft before it with the head's own
-output as its feature. Positions drafted from the head's own features are recomputed from the
-target's once verified, so the scheduler counts the head as having seen only the positions the
-target processed (``num_draft_computed``).
+pass: the accepted ones only), then drafts (draft_loop.py): the output at the last of them
+gives q for the token after the newest, and each further draft reads its parent's token with
+the head's own output there as its feature. Positions drafted from the head's own features are
+recomputed from the target's once verified, so the scheduler counts the head as having seen
+only the positions the target processed (``num_draft_computed``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,26 @@ from __future__ import annotations
 import torch
 
 from specbatch.config import EngineConfig
+from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.model.eagle import TargetParts, load_eagle_head
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
-from specbatch.scheduler.output import NewRequestData, ScheduledRequest
-from specbatch.worker.model_runner import ModelRunner
-from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
+from specbatch.scheduler.output import ScheduledRequest
+from specbatch.worker.draft_loop import Roots, block_tables, catch_up, drafting, grow
+from specbatch.worker.model_runner import ForwardInputs, ModelRunner
+from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
 
-class EagleProposer:
-    def __init__(self, config: EngineConfig, device: torch.device, target: ModelRunner) -> None:
+class EagleProposer(Drafter):
+    draft_input = "features"
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        tp: TensorParallelGroup,
+        target: ModelRunner,
+    ) -> None:
         assert config.draft is not None
         self.config = config
         self.device = device
@@ -45,7 +55,7 @@ class EagleProposer:
             kernels = cpu_kernels()
             if kernels is not None:
                 self.head.use_cpu_kernels(kernels)
-        self.feature_layers: tuple[int, ...] | None = self.head.streams
+        self.feature_layers = self.head.streams
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # per request: the first position of the features kept, and the features
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
@@ -57,9 +67,6 @@ class EagleProposer:
         self.kv_caches = self.head.allocate_kv_caches(
             num_blocks, self.config.block_size, self.device
         )
-
-    def add_request(self, new: NewRequestData) -> None:
-        pass
 
     def finish_request(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -76,49 +83,44 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, step: DraftRound) -> Proposal:
-        out = step.proposal(self.config.target.vocab_size, self.device)
-        catch = step.catch_up(self.config.block_size, self.device)
+        catch = catch_up(step, self.config.block_size, self.device)
         if catch is None:
-            return out
+            return step.empty_proposal(self.device)
         inputs = catch.inputs
         features = self.head.from_target(torch.cat([self._features(r) for r in catch.requests]))
-        feature, hidden = self.head(
-            inputs.input_ids, features, inputs.positions, self.kv_caches[0], inputs.meta
+        feature, hidden = step.timed(
+            int(inputs.input_ids.shape[0]),
+            lambda: self.head(
+                inputs.input_ids, features, inputs.positions, self.kv_caches[0], inputs.meta
+            ),
         )
-        sampling, gammas = step.sampling, step.gammas
-        active = [i for i, g in enumerate(gammas) if g > 0]
+        active = drafting(step)
         if not active:
-            return out
-        out.counts = list(gammas)
-        rows = torch.tensor([catch.last_row[sampling[i].request_id] for i in active])
-        feature, hidden = feature.index_select(0, rows), hidden.index_select(0, rows)
-        first = [r.draft_start + len(r.draft_token_ids) for r in sampling]
-        for j in range(max(gammas)):
-            tokens = step.draw(self.head.compute_logits(hidden), active, j, out)
-            nxt = step.next_pass(tokens, active, j, first, self.config.block_size)
-            if nxt is None:
-                break
-            active, keep, inputs = nxt
-            feature, hidden = self.head(
-                inputs.input_ids,
-                feature.index_select(0, keep),
-                inputs.positions,
-                self.kv_caches[0],
-                inputs.meta,
-            )
-        return out
+            return step.empty_proposal(self.device)
+        reqs = [step.sampling[i] for i in active]
+        rows = torch.tensor([catch.last_row[r.request_id] for r in reqs], device=self.device)
+        roots = Roots(
+            active,
+            self.head.compute_logits(hidden.index_select(0, rows)),
+            feature.index_select(0, rows),
+            [r.draft_start + len(r.draft_token_ids) for r in reqs],
+            block_tables(reqs, self.device),
+        )
+        sampled = self.config.tree_children == "sampled"
+        return grow(step, roots, self._pass, self.config.block_size, sampled)
 
-    def observe(
-        self,
-        step: DraftRound,
-        emitted: list[list[int]],
-        accepted: list[int],
-        target: TargetPass | None,
-    ) -> None:
+    def _pass(
+        self, tokens: torch.Tensor, state: torch.Tensor | None, inputs: ForwardInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert state is not None
+        feature, hidden = self.head(tokens, state, inputs.positions, self.kv_caches[0], inputs.meta)
+        return feature, self.head.compute_logits(hidden)
+
+    def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
         """Keep the features of the positions the target processed and kept: a prompt chunk's
         rows, or a decoding request's last token and its accepted drafts."""
-        assert target is not None
-        accepted_of = {r.request_id: a for r, a in zip(step.sampling, accepted, strict=True)}
-        for r, row in zip(step.requests, target.row_starts, strict=True):
-            n = len(r.target_token_ids) + accepted_of.get(r.request_id, 0)
-            self.pending[r.request_id] = (r.target_start, target.features[row : row + n].clone())
+        assert outcome.target is not None
+        features = outcome.target.features
+        for r, rows in zip(step.requests, outcome.kept_rows, strict=True):
+            index = torch.tensor(rows, dtype=torch.int64, device=features.device)
+            self.pending[r.request_id] = (r.target_start, features.index_select(0, index))

@@ -102,6 +102,13 @@ class ModelRunner:
         self.kv_caches = self.model.allocate_kv_caches(num_blocks, block_size, self.device)
         self.block_size = block_size
 
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of slots ``src`` into slots ``dst`` in every layer."""
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            self.backend.move_slots(k_cache, v_cache, s, d)
+
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """Run the model; return float32 logits of the rows ``logits_rows`` (of the T tokens)."""

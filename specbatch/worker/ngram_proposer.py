@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from specbatch.config import EngineConfig
 from specbatch.scheduler.output import NewRequestData
-from specbatch.worker.proposer import DraftRound, Proposal, TargetPass
+from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
 
 class NgramIndex:
@@ -59,20 +60,14 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
-    feature_layers = None
-
-    def __init__(self, n_min: int, n_max: int, device: torch.device) -> None:
-        self.n_min, self.n_max = n_min, n_max
+class NgramProposer(Drafter):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, tp: object, target: object
+    ) -> None:
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
         self.device = device
         self.index: dict[str, NgramIndex] = {}
         self.prompts: dict[str, list[int]] = {}
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        pass
 
     def add_request(self, new: NewRequestData) -> None:
         self.index[new.request_id] = NgramIndex(self.n_min, self.n_max)
@@ -87,25 +82,19 @@ class NgramProposer:
             rid = r.request_id
             self.index[rid].sync(r.target_start, r.target_token_ids, self.prompts[rid])
         drafts = [
-            self.index[r.request_id].propose(g) if g > 0 else []
-            for r, g in zip(step.sampling, step.gammas, strict=True)
+            self.index[r.request_id].propose(s.depth) if s.nodes > 0 else []
+            for r, s in zip(step.sampling, step.shapes, strict=True)
         ]
-        width = max(step.gammas, default=0)
-        out = Proposal.empty(len(drafts), width, self.device)
+        width = max((len(d) for d in drafts), default=0)
+        out = Proposal.empty(len(drafts), self.device, width)
         out.counts = [len(d) for d in drafts]
         if any(out.counts):
             padded = [d + [0] * (width - len(d)) for d in drafts]
             out.tokens = torch.tensor(padded, dtype=torch.int64, device=self.device)
         return out
 
-    def observe(
-        self,
-        step: DraftRound,
-        emitted: list[list[int]],
-        accepted: list[int],
-        target: TargetPass | None,
-    ) -> None:
-        for r, toks in zip(step.sampling, emitted, strict=True):
+    def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
+        for r, toks in zip(step.sampling, outcome.emitted, strict=True):
             index = self.index[r.request_id]
             # the step's target tokens end at the request's last known token; what it emitted
             # follows them

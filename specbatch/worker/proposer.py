@@ -1,21 +1,26 @@
-"""What the speculative round asks of a drafter (THEORY.md, step 1): given the step's requests
-and how many tokens each may draft, propose tokens and, when it has one, the distribution q
-each was drawn from. The worker's round is the same for every drafter; the rejection sampler
-needs only the tokens, q (or "point mass") and the target's p.
+"""What the speculative round asks of a drafter (THEORY.md, step 1), and what it gets back.
+
+Given the step's requests and the draft shape each may fill (a chain of ``k`` tokens, or a
+tree: ``specbatch/draft_shape.py``), a drafter proposes draft nodes and, when they were sampled,
+the distribution q at each node that grew children. The worker's round is the same for every
+drafter; the verifier needs only the nodes, their parents, q (or "not sampled") and p.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import torch
 
+from specbatch.draft_shape import DraftShape
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
-from specbatch.worker.model_runner import ForwardInputs, build_inputs
 from specbatch.worker.penalties import Penalties
-from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -24,103 +29,50 @@ class DraftRound:
 
     requests: list[ScheduledRequest]  # every request of the step, prompt chunks included
     sampling: list[ScheduledRequest]  # the requests that emit tokens this step (result order)
-    gammas: list[int]  # how many tokens each of ``sampling`` may draft (0 allowed)
+    shapes: list[DraftShape]  # the drafts each of ``sampling`` may propose (none allowed)
     params: list[SamplingParams]  # their sampling parameters
-    uniforms: torch.Tensor  # [len(sampling), max(gammas)]: one draw per draft position
+    uniforms: torch.Tensor  # [len(sampling), W]: each request's draws for drafting
     greedy: bool  # every request of ``sampling`` is greedy
     penalties: Penalties | None = None  # the histories of ``sampling``, if any is penalised
+    passes: list[tuple[str, int, float]] = field(default_factory=list)  # the drafter's, timed
 
-    def proposal(self, vocab: int, device: torch.device) -> Proposal:
-        """No drafts yet, with room for them (and for q, unless the step is greedy)."""
-        g_max = max(self.gammas, default=0)
-        out = Proposal.empty(len(self.sampling), g_max, device)
-        if not self.greedy:
-            out.probs = torch.zeros((len(self.sampling), g_max, vocab), device=device)
+    def timed(self, rows: int, run: Callable[[], T]) -> T:
+        """``run()``, one drafter pass over ``rows`` rows, its seconds noted in ``passes``."""
+        t0 = time.perf_counter()
+        out = run()
+        self.passes.append(("draft", rows, time.perf_counter() - t0))
         return out
 
-    def catch_up(self, block_size: int, device: torch.device) -> CatchUp | None:
-        """One ragged pass over every request's tokens the drafter has not seen, or None."""
-        catch = [r for r in self.requests if r.draft_token_ids]
-        if not catch:
-            return None
-        ids: list[int] = []
-        last: dict[str, int] = {}
-        for r in catch:
-            ids.extend(r.draft_token_ids)
-            last[r.request_id] = len(ids) - 1
-        inputs = build_inputs(
-            torch.tensor(ids, dtype=torch.int64, device=device),
-            [len(r.draft_token_ids) for r in catch],
-            [r.draft_start for r in catch],
-            [r.block_table for r in catch],
-            block_size,
-            device,
-        )
-        return CatchUp(catch, inputs, last)
+    @property
+    def tree(self) -> bool:
+        """Whether some request drafts a tree (children per node > 1) this step."""
+        return any(not s.is_chain for s in self.shapes)
 
-    def next_pass(
-        self, tokens: torch.Tensor, active: list[int], j: int, first_position: list[int],
-        block_size: int,
-    ) -> tuple[list[int], torch.Tensor, ForwardInputs] | None:  # fmt: skip
-        """After draft ``j`` of ``active`` (``tokens``): the requests that draft again, their
-        rows among ``active``, and the one-token pass reading their draft ``j``, at position
-        ``first_position[i] + j`` of request ``i``; None when none drafts again."""
-        keep = [k for k, i in enumerate(active) if self.gammas[i] > j + 1]
-        if not keep:
-            return None
-        rows = torch.tensor(keep, dtype=torch.int64, device=tokens.device)
-        still = [active[k] for k in keep]
-        inputs = build_inputs(
-            tokens.index_select(0, rows),
-            [1] * len(still),
-            [first_position[i] + j for i in still],
-            [self.sampling[i].block_table for i in still],
-            block_size,
-            tokens.device,
-        )
-        return still, rows, inputs
-
-    def draw(self, logits: torch.Tensor, active: list[int], j: int, out: Proposal) -> torch.Tensor:
-        """Draft ``j`` of the requests ``active`` (indices into ``sampling``) from the drafter's
-        logits [len(active), V]: penalised for the history and drafts ``0 .. j-1``, then the
-        argmax (greedy) or a sample under each request's transforms, whose q is kept in
-        ``out.probs``. Writes the tokens into ``out.tokens`` and returns them."""
-        idx = torch.tensor(active, dtype=torch.int64, device=out.tokens.device)
-        if self.penalties is not None:
-            before = torch.full_like(idx, j)
-            logits = self.penalties.apply(logits, idx, out.tokens[idx, :j], before)
-        if out.probs is None:
-            tokens = logits.argmax(dim=-1)
-        else:
-            st = SamplingTensors.from_params([self.params[i] for i in active], logits.device)
-            probs = logits_to_probs(logits, st)
-            tokens = sample(probs, self.uniforms[idx, j])
-            out.probs[idx, j] = probs
-        out.tokens[idx, j] = tokens
-        return tokens
-
-
-@dataclass
-class CatchUp:
-    """A drafter's pass over the tokens it has not seen (positions ``draft_start ..``)."""
-
-    requests: list[ScheduledRequest]
-    inputs: ForwardInputs
-    last_row: dict[str, int]  # request id -> the row of its last token in the pass
+    def empty_proposal(self, device: torch.device) -> Proposal:
+        return Proposal.empty(len(self.sampling), device)
 
 
 @dataclass
 class Proposal:
-    """Request b's drafts are ``tokens[b, :counts[b]]`` (counts[b] <= its gamma)."""
+    """Request b's draft nodes ``1 .. counts[b]`` are ``tokens[b, :counts[b]]`` (node j at column
+    j - 1; node 0 is the request's last known token, the root). ``parents[b, j - 1]`` is node j's
+    parent, always a lower index, siblings in the order they were drawn; None: chains (node j's
+    parent is j - 1). ``probs[b, j]`` is q at node j, the law its children were drawn from
+    without replacement; None: the children were not sampled (argmaxes, top-k, or a lookup)."""
 
-    tokens: torch.Tensor  # int64 [B, G], G = max(gammas); padding 0
+    tokens: torch.Tensor  # int64 [B, N]; padding 0
     counts: list[int]
-    probs: torch.Tensor | None  # q [B, G, V] each draft was sampled from; None: point masses
+    probs: torch.Tensor | None = None  # [B, N, V]
+    parents: torch.Tensor | None = None  # int64 [B, N]
 
     @staticmethod
-    def empty(batch: int, width: int, device: torch.device) -> Proposal:
+    def empty(batch: int, device: torch.device, width: int = 0) -> Proposal:
         tokens = torch.zeros((batch, width), dtype=torch.int64, device=device)
-        return Proposal(tokens, [0] * batch, None)
+        return Proposal(tokens, [0] * batch)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass
@@ -131,35 +83,44 @@ class TargetPass:
     row_starts: list[int]  # the first row of each request of the step, in step order
 
 
-class Proposer(Protocol):
-    """A drafter on one rank. Every method is called on every rank, with the same arguments."""
+@dataclass
+class RoundOutcome:
+    """What verification decided, as a drafter sees it after the round."""
 
-    # The target features the drafter reads after each pass: None (none), () (the final
-    # hidden states), or the residual streams entering these target layers.
-    feature_layers: tuple[int, ...] | None
+    emitted: list[list[int]]  # the tokens each request of ``sampling`` emitted
+    accepted: list[int]  # how many of its drafts were accepted
+    kept_rows: list[list[int]]  # per step request: the target-pass rows of the positions kept
+    target: TargetPass | None  # the features the drafter asked for (``feature_layers``)
+
+
+class Drafter:
+    """A drafter on one rank; every method is called on every rank with the same arguments.
+
+    ``draft_input`` says what the scheduler sends it each step to keep its own KV cache (see
+    ``Scheduler``): "tokens" (a draft model), "features" (an EAGLE head) or "none".
+    ``feature_layers``: the target features it reads after each pass: None (none), () (the
+    final hidden states), or the residual streams entering these target layers."""
+
+    draft_input: ClassVar[str] = "none"
+    feature_layers: tuple[int, ...] | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block costs the drafter (0: it keeps no KV cache)."""
-        ...
+        return 0
 
-    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def init_kv_cache(self, num_blocks: int) -> None:
+        pass
 
-    def add_request(self, new: NewRequestData) -> None: ...
+    def add_request(self, new: NewRequestData) -> None:
+        pass
 
-    def finish_request(self, request_id: str) -> None: ...
+    def finish_request(self, request_id: str) -> None:
+        pass
 
     def propose(self, step: DraftRound) -> Proposal:
-        """Draft tokens for ``step.sampling``. Called every step (a drafter with a KV cache
+        """Draft nodes for ``step.sampling``. Called every step (a drafter with a KV cache
         catches up on prompt chunks even when nothing is drafted)."""
-        ...
+        raise NotImplementedError
 
-    def observe(
-        self,
-        step: DraftRound,
-        emitted: list[list[int]],
-        accepted: list[int],
-        target: TargetPass | None,
-    ) -> None:
-        """After verification: the tokens each request of ``step.sampling`` emitted and how
-        many of its drafts were accepted, and the target's features (``feature_layers``)."""
-        ...
+    def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
+        """After verification."""

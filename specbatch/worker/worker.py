@@ -1,11 +1,14 @@
 """One rank of the engine: the target, the drafter, and the speculative round of THEORY.md.
 
 ``execute`` runs one engine step for the whole batch:
-1. draw each sampling request's uniforms from its own generator (count fixed by its gamma);
-2. the drafter (proposer.py: a draft model, or n-gram lookup) proposes up to ``gamma_i``
-   tokens per request, with the distributions q they were drawn from (or point masses);
-3. the target scores every request's unprocessed tokens plus its drafts in ONE ragged forward;
-4. the rejection sampler accepts a prefix of each request's drafts and emits one more token.
+1. draw each sampling request's uniforms from its own generator (count fixed by its drafts);
+2. the drafter (``Drafter``: a draft model, an EAGLE head, n-gram lookup) proposes each
+   request's drafts, a chain or a tree, with the distributions q they were drawn from;
+3. the target scores every request's unprocessed tokens plus its drafts in ONE ragged forward
+   (``RoundLayout``; a tree's nodes attend to their ancestors only);
+4. verification accepts a path of each request's drafts and emits one more token
+   (``rejection_sampler`` for chains, ``tree_verify`` for trees); a tree's accepted nodes are
+   moved into consecutive cache slots, as if a chain of them had been verified.
 Penalties (penalties.py) change the logits of both models at every position they sample or
 verify; logprobs are the target's at each emitted token, never the draft's.
 Rollback is not done here: the scheduler moves each model's progress counter back.
@@ -13,7 +16,6 @@ Rollback is not done here: the scheduler moves each model's progress counter bac
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import torch
 
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.draft_shape import DraftShape
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import (
     RequestStepResult,
@@ -28,15 +31,15 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
-from specbatch.worker.draft_model_proposer import DraftModelProposer
-from specbatch.worker.eagle_proposer import EagleProposer
+from specbatch.worker.drafters import make_drafter
 from specbatch.worker.logprobs import emitted_logprobs, position_logprobs
-from specbatch.worker.model_runner import ModelRunner, build_inputs
-from specbatch.worker.ngram_proposer import NgramProposer
+from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.penalties import History, Penalties
-from specbatch.worker.proposer import DraftRound, Proposal, Proposer, TargetPass
+from specbatch.worker.proposer import DraftRound, Proposal, RoundOutcome, TargetPass
 from specbatch.worker.rejection_sampler import greedy_verify, rejection_sample
+from specbatch.worker.round_layout import RoundLayout
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
+from specbatch.worker.tree_verify import verify_tree
 
 
 @dataclass
@@ -48,27 +51,13 @@ class _RequestState:
 
 
 @dataclass
-class _Verified:
-    """What the target pass gives the rest of the round."""
+class _Verdict:
+    """What verification decided, per sampling request."""
 
-    p: torch.Tensor  # [B, G+1, V] probabilities, or (all greedy) [B, G+1] argmax ids
-    target_pass: TargetPass | None
-    logprobs: torch.Tensor | None  # [L, V], the verified rows of requests asking for logprobs
-    logprob_rows: dict[int, int]  # sampling index -> its first row in ``logprobs``
-    prompt_logprobs: dict[str, tuple[int, list]]
-
-
-def make_proposer(
-    config: EngineConfig, device: torch.device, draft_tp: TensorParallelGroup, target: ModelRunner
-) -> Proposer | None:
-    """The drafter ``config`` asks for, or None when the engine does not speculate."""
-    if not config.speculative:
-        return None
-    if config.spec_method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, device)
-    if config.spec_method == "eagle":
-        return EagleProposer(config, device, target)
-    return DraftModelProposer(config, device, draft_tp)
+    emitted: list[list[int]]
+    accepted: list[int]
+    path: list[list[int]]  # the accepted nodes, in order (a chain: 1..accepted)
+    rejected: list[bool] | None  # None: chains (rejected iff accepted < proposed)
 
 
 class Worker:
@@ -85,18 +74,17 @@ class Worker:
         self.target = ModelRunner(
             config.target, self.device, tp, config.attention_backend, config.block_size
         )
-        self.proposer = make_proposer(config, self.device, draft_tp, self.target)
-        self.draft: ModelRunner | None = None  # the draft model's runner, if it is the drafter
-        if isinstance(self.proposer, DraftModelProposer):
-            self.draft = self.proposer.runner
+        self.drafter = make_drafter(config, self.device, draft_tp, self.target)
+        self.draft: ModelRunner | None = getattr(self.drafter, "runner", None)
+        self.sampled_children = config.tree_children == "sampled"
         self._states: dict[str, _RequestState] = {}
 
     # ---- set-up ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         """Bytes one block costs on this rank, in the target's cache and the draft's together."""
         n = self.target.kv_bytes_per_block(self.config.block_size)
-        if self.proposer is not None:
-            n += self.proposer.kv_bytes_per_block(self.config.block_size)
+        if self.drafter is not None:
+            n += self.drafter.kv_bytes_per_block(self.config.block_size)
         return n
 
     def kv_memory_budget(self) -> int:
@@ -110,16 +98,85 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.target.allocate_kv_cache(num_blocks, self.config.block_size)
-        if self.proposer is not None:
-            self.proposer.init_kv_cache(num_blocks)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        self._track(plan)
+        reqs = plan.requests
+        if not reqs:
+            return StepResult()
+        sampling = [r for r in reqs if r.sample]
+        shapes = [r.shape if self.drafter else DraftShape() for r in sampling]
+        params = [self._states[r.request_id].params for r in sampling]
+        # an all-greedy step needs no distributions: argmaxes and the one-hot limit of the rule
+        greedy = all(sp.greedy for sp in params)
+        draft_u, verify_u = self._draw_uniforms(sampling, shapes)
+        histories = [self._states[r.request_id].history for r in sampling]
+        penalties = Penalties.of(histories, self.config.target.vocab_size, self.device)
+        t0 = time.perf_counter()
+        step = DraftRound(reqs, sampling, shapes, params, draft_u, greedy, penalties)
+        proposal = step.empty_proposal(self.device)
+        if self.drafter is not None:
+            proposal = self.drafter.propose(step)
+        t1 = time.perf_counter()
+        layout = RoundLayout.build(reqs, sampling, proposal, self.config.block_size, self.device)
+        t_pass = time.perf_counter()
+        logits, target_pass, prompt_logprobs = self._target_pass(reqs, layout)
+        t2 = time.perf_counter()
+        passes = [*step.passes, ("target", int(layout.inputs.input_ids.shape[0]), t2 - t_pass)]
+        if not sampling:
+            if self.drafter is not None:
+                rows = [list(range(s, s + len(r.target_token_ids)))
+                        for r, s in zip(reqs, layout.row_starts, strict=True)]  # fmt: skip
+                self.drafter.observe(step, RoundOutcome([], [], rows, target_pass))
+            timings = {"draft": t1 - t0, "target": t2 - t1, "sample": 0.0}
+            return StepResult(timings=timings, prompt_logprobs=prompt_logprobs, passes=passes)
+        raw = logits
+        if penalties is not None:
+            logits = penalties.apply(
+                logits, layout.row_request, layout.path_tokens, layout.path_len
+            )
+        st = None  # each verified row's sampling parameters, unless argmaxes are all it needs
+        asking = [b for b, sp in enumerate(params) if sp.logprobs is not None]
+        if asking or not greedy:
+            st = SamplingTensors.from_params(params, self.device)
+            st = st.repeat_interleave([n + 1 for n in proposal.counts])
+        p = logits.argmax(dim=-1) if greedy else logits_to_probs(logits, st)
+        verdict = self._verify(step, proposal, layout, p, verify_u)
+        if proposal.is_tree:
+            self._compact(sampling, layout, verdict)
+        for history, toks in zip(histories, verdict.emitted, strict=True):
+            if history is not None:
+                history.append(toks)
+        if self.drafter is not None:
+            self.drafter.observe(step, self._outcome(reqs, sampling, layout, verdict, target_pass))
+        logprobs = {}
+        if asking:
+            assert st is not None
+            logprobs = self._emitted_logprobs(raw, logits, st, layout, verdict, asking, params)
+        t3 = time.perf_counter()
+        results = {
+            r.request_id: RequestStepResult(
+                toks,
+                verdict.accepted[b],
+                proposal.counts[b],
+                logprobs.get(b),
+                None if verdict.rejected is None else verdict.rejected[b],
+            )
+            for b, (r, toks) in enumerate(zip(sampling, verdict.emitted, strict=True))
+        }
+        timings = {"draft": t1 - t0, "target": t2 - t1, "sample": t3 - t2}
+        return StepResult(results, timings=timings, prompt_logprobs=prompt_logprobs, passes=passes)
+
+    def _track(self, plan: SchedulerOutput) -> None:
+        """Forget finished requests; set up new ones (generator, penalty history, drafter)."""
         for rid in plan.finished_request_ids:
             self._states.pop(rid, None)
-            if self.proposer is not None:
-                self.proposer.finish_request(rid)
+            if self.drafter is not None:
+                self.drafter.finish_request(rid)
         vocab = self.config.target.vocab_size
         for new in plan.new_requests:
             sp = new.sampling_params
@@ -130,178 +187,169 @@ class Worker:
             self._states[new.request_id] = _RequestState(
                 sp, torch.Generator().manual_seed(new.seed), new.prompt_token_ids, history
             )
-            if self.proposer is not None:
-                self.proposer.add_request(new)
-        reqs = plan.requests
-        if not reqs:
-            return StepResult()
-        sampling = [r for r in reqs if r.sample]
-        gammas = [r.num_draft if self.proposer else 0 for r in sampling]
-        g_max = max(gammas, default=0)
-        params = [self._states[r.request_id].params for r in sampling]
-        # an all-greedy step needs no distributions: argmaxes and the one-hot limit of the rule
-        greedy = all(sp.greedy for sp in params)
-        uniforms = self._draw_uniforms(sampling, gammas, g_max)
-        histories = [self._states[r.request_id].history for r in sampling]
-        penalties = Penalties.of(histories, vocab, self.device)
-        t0 = time.perf_counter()
-        step = DraftRound(reqs, sampling, gammas, params, uniforms[:, :g_max], greedy, penalties)
-        if self.proposer is None:
-            proposal = Proposal.empty(len(sampling), g_max, self.device)
-        else:
-            proposal = self.proposer.propose(step)
-        t1 = time.perf_counter()
-        verified = self._verify(step, proposal, g_max)
-        t2 = time.perf_counter()
-        if not sampling:
-            if self.proposer is not None:
-                self.proposer.observe(step, [], [], verified.target_pass)
-            timings = {"draft": t1 - t0, "target": t2 - t1, "sample": 0.0}
-            return StepResult(timings=timings, prompt_logprobs=verified.prompt_logprobs)
-        counts = torch.tensor(proposal.counts, dtype=torch.int64, device=self.device)
-        if greedy:
-            out = greedy_verify(proposal.tokens, counts, verified.p)
-        else:
-            out = rejection_sample(
-                proposal.tokens,
-                counts,
-                proposal.probs,
-                verified.p,
-                uniforms[:, g_max : 2 * g_max],
-                uniforms[:, 2 * g_max],
-            )
-        host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
-        emitted = [row[1 : row[0] + 2] for row in host]
-        for history, toks in zip(histories, emitted):
-            if history is not None:
-                history.append(toks)
-        if self.proposer is not None:
-            self.proposer.observe(step, emitted, [row[0] for row in host], verified.target_pass)
-        logprobs = {}
-        if verified.logprobs is not None:
-            ks = [params[i].logprobs or 0 for i in verified.logprob_rows]
-            logprobs = emitted_logprobs(verified.logprobs, verified.logprob_rows, ks, emitted)
-        t3 = time.perf_counter()
-        results = {
-            r.request_id: RequestStepResult(toks, row[0], n, logprobs.get(i))
-            for i, (r, row, toks, n) in enumerate(zip(sampling, host, emitted, proposal.counts))
-        }
-        timings = {"draft": t1 - t0, "target": t2 - t1, "sample": t3 - t2}
-        return StepResult(results, timings=timings, prompt_logprobs=verified.prompt_logprobs)
+            if self.drafter is not None:
+                self.drafter.add_request(new)
 
     def _draw_uniforms(
-        self, sampling: list[ScheduledRequest], gammas: list[int], g_max: int
-    ) -> torch.Tensor:
-        """[B, 2G+1]: draft draws, acceptance draws, and the final draw of each request.
-
-        A request draws exactly 2*gamma+1 numbers from its own generator, whatever the batch,
-        so a seeded request is reproducible alone or in any company. Greedy requests draw none.
-        """
-        u = torch.zeros((len(sampling), 2 * g_max + 1), dtype=torch.float32)
-        for i, (r, g) in enumerate(zip(sampling, gammas)):
+        self, sampling: list[ScheduledRequest], shapes: list[DraftShape]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, Wd] for drafting, [B, Wv] for verifying): each sampled request draws exactly
+        ``DraftShape.draws`` numbers from its own generator, whatever the batch, so a seeded
+        request is reproducible alone or in any company. Greedy requests draw none."""
+        counts = [s.draws(self.sampled_children) for s in shapes]
+        wd = max((c[0] for c in counts), default=0)
+        wv = max((c[1] for c in counts), default=1)
+        draft_u = torch.zeros((len(sampling), wd), dtype=torch.float32)
+        verify_u = torch.zeros((len(sampling), wv), dtype=torch.float32)
+        for b, (r, (nd, nv)) in enumerate(zip(sampling, counts, strict=True)):
             state = self._states[r.request_id]
             if state.params.greedy:
                 continue
-            draws = torch.rand(2 * g + 1, generator=state.generator)
-            u[i, :g] = draws[:g]
-            u[i, g_max : g_max + g] = draws[g : 2 * g]
-            u[i, 2 * g_max] = draws[2 * g]
-        return u.to(self.device)
+            draws = torch.rand(nd + nv, generator=state.generator)
+            draft_u[b, :nd] = draws[:nd]
+            verify_u[b, :nv] = draws[nd:]
+        return draft_u.to(self.device), verify_u.to(self.device)
 
-    def _verify(self, step: DraftRound, proposal: Proposal, g_max: int) -> _Verified:
-        """One ragged target pass: p at the verified positions (or, all greedy, the target's
-        argmax there), the features the drafter reads, and the logprobs asked for."""
-        reqs, sampling, params, greedy = step.requests, step.sampling, step.params, step.greedy
-        gammas = proposal.counts
-        gamma_of = {r.request_id: g for r, g in zip(sampling, gammas)}
-        ids: list[int] = []
-        q_lens: list[int] = []
-        draft_rows: list[int] = []
-        draft_src: list[int] = []
-        logit_rows: list[int] = []
-        expand: list[int] = []  # row of the computed logits behind each [b, k] of p
-        row_request: list[int] = []  # the sampling index of each verified row
-        row_before: list[int] = []  # how many of its drafts come before each verified row
-        first_row: list[int] = []  # each sampling request's first verified row
-        scored: list[tuple[str, int, int, int]] = []  # prompt logprobs: id, position, row, count
-        i = 0  # index among the sampling requests
-        for r in reqs:
-            start = len(ids)
-            ids.extend(r.target_token_ids)
-            g = gamma_of.get(r.request_id, 0)
-            if g:
-                draft_rows.extend(range(len(ids), len(ids) + g))
-                draft_src.extend(range(i * g_max, i * g_max + g))
-                ids.extend([0] * g)
-            q_lens.append(len(ids) - start)
+    def _target_pass(
+        self, reqs: list[ScheduledRequest], layout: RoundLayout
+    ) -> tuple[torch.Tensor, TargetPass | None, dict[str, tuple[int, list]]]:
+        """The round's one target pass: logits of the verified rows, the features the drafter
+        reads, and the prompt logprobs asked for."""
+        scored: list[tuple[str, int, int, int]] = []  # id, first position scored, row, count
+        for r, start in zip(reqs, layout.row_starts, strict=True):
             state = self._states[r.request_id]
             if state.params.prompt_logprobs is not None:
                 # the rows whose next token is a prompt token score that token
                 end = min(r.target_start + len(r.target_token_ids), len(state.prompt_token_ids) - 1)
                 if end > r.target_start:
                     scored.append((r.request_id, r.target_start + 1, start, end - r.target_start))
-            if r.sample:
-                # logits only at the request's g + 1 verified positions; p's padding positions
-                # (k > g, never read by the rejection sampler) repeat the bonus row
-                last = start + len(r.target_token_ids) - 1
-                first_row.append(len(logit_rows))
-                logit_rows.extend(range(last, last + g + 1))
-                expand.extend(first_row[-1] + min(k, g) for k in range(g_max + 1))
-                row_request.extend([i] * (g + 1))
-                row_before.extend(range(g + 1))
-                i += 1
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device)
-        if draft_rows:
-            dst = torch.tensor(draft_rows, dtype=torch.int64, device=self.device)
-            src = torch.tensor(draft_src, dtype=torch.int64, device=self.device)
-            input_ids[dst] = proposal.tokens.reshape(-1)[src]
-        inputs = build_inputs(
-            input_ids,
-            q_lens,
-            [r.target_start for r in reqs],
-            [r.block_table for r in reqs],
-            self.config.block_size,
-            self.device,
+        rows = layout.verified_rows
+        if scored:
+            extra = [row + k for _, _, row, n in scored for k in range(n)]
+            rows = torch.cat([rows, torch.tensor(extra, dtype=torch.int64, device=self.device)])
+        streams = self.drafter.feature_layers if self.drafter is not None else None
+        logits, features = self.target.forward_features(
+            layout.inputs, rows if rows.numel() else None, streams
         )
-        all_rows = logit_rows + [row + k for _, _, row, n in scored for k in range(n)]
-        rows = torch.tensor(all_rows, dtype=torch.int64, device=self.device)
-        streams = self.proposer.feature_layers if self.proposer is not None else None
-        logits, features = self.target.forward_features(inputs, rows if all_rows else None, streams)
         target_pass = None
         if features is not None:
-            target_pass = TargetPass(features, list(itertools.accumulate(q_lens, initial=0))[:-1])
-        prompt_logprobs = self._prompt_logprobs(logits[len(logit_rows) :], scored)
-        logits = logits[: len(logit_rows)]
-        if not sampling:
-            empty = logits.new_empty((0, g_max + 1, logits.shape[-1]))
-            return _Verified(empty, target_pass, None, {}, prompt_logprobs)
-        raw = logits
-        if step.penalties is not None:
-            who = torch.tensor(row_request, dtype=torch.int64, device=self.device)
-            before = torch.tensor(row_before, dtype=torch.int64, device=self.device)
-            logits = step.penalties.apply(logits, who, proposal.tokens.index_select(0, who), before)
-        asking = [k for k, sp in enumerate(params) if sp.logprobs is not None]
-        st = None  # each verified row's sampling parameters, unless argmaxes are all it needs
-        if asking or not greedy:
-            st = SamplingTensors.from_params(params, self.device)
-            st = st.repeat_interleave([g + 1 for g in gammas])
-        logprobs, logprob_rows = None, {}
-        if asking:
-            assert st is not None
-            pick: list[int] = []
-            for k in asking:
-                logprob_rows[k] = len(pick)
-                pick.extend(range(first_row[k], first_row[k] + gammas[k] + 1))
-            logprobs = self._logprobs_at(raw, logits, st, pick)
-        expand_rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
-        if greedy:
-            tokens = logits.argmax(dim=-1).index_select(0, expand_rows)
-            p = tokens.view(len(sampling), g_max + 1)
+            target_pass = TargetPass(features, layout.row_starts)
+        n = layout.num_verified
+        return logits[:n], target_pass, self._prompt_logprobs(logits[n:], scored)
+
+    def _verify(
+        self,
+        step: DraftRound,
+        proposal: Proposal,
+        layout: RoundLayout,
+        p: torch.Tensor,
+        u: torch.Tensor,
+    ) -> _Verdict:
+        """Accept a path of each request's drafts and one more token."""
+        counts = torch.tensor(proposal.counts, dtype=torch.int64, device=self.device)
+        first = torch.tensor(layout.first_verified, dtype=torch.int64, device=self.device)
+        if proposal.is_tree:
+            rrs = None  # sampled children: those of drafting sampled requests
+            if proposal.probs is not None:
+                rrs = torch.tensor(
+                    [
+                        not sp.greedy and n > 0
+                        for sp, n in zip(step.params, proposal.counts, strict=True)
+                    ],
+                    device=self.device,
+                )
+            topk = max((s.topk for s in step.shapes), default=1)
+            v = verify_tree(
+                proposal.tokens, layout.topology, p, first, u, proposal.probs, rrs, topk
+            )
+            host = torch.cat([v.num_accepted[:, None], v.rejected[:, None].long(), v.path,
+                              v.token_ids], dim=1).tolist()  # fmt: skip
+            d = v.path.shape[1]
+            return _Verdict(
+                [row[2 + d : 2 + d + row[0] + 1] for row in host],
+                [row[0] for row in host],
+                [row[2 : 2 + row[0]] for row in host],
+                [bool(row[1]) for row in host],
+            )
+        width = proposal.tokens.shape[1]
+        # p per request [B, G+1(, V)]: its root and drafts; padding positions repeat its last
+        k = torch.arange(width + 1, device=self.device)[None, :]
+        expand = first[:, None] + torch.minimum(k, counts[:, None])
+        if p.dim() == 1:
+            out = greedy_verify(proposal.tokens, counts, p[expand])
         else:
-            assert st is not None
-            probs = logits_to_probs(logits, st)
-            p = probs.index_select(0, expand_rows).view(len(sampling), g_max + 1, -1)
-        return _Verified(p, target_pass, logprobs, logprob_rows, prompt_logprobs)
+            # the final draw follows the granted drafts' (a lookup may propose fewer)
+            granted = torch.tensor([s.depth if s.nodes else 0 for s in step.shapes],
+                                   dtype=torch.int64, device=self.device)  # fmt: skip
+            final = u.gather(1, granted[:, None])[:, 0]
+            out = rejection_sample(
+                proposal.tokens, counts, proposal.probs, p[expand], u[:, :width], final
+            )
+        host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
+        return _Verdict(
+            [row[1 : row[0] + 2] for row in host],
+            [row[0] for row in host],
+            [list(range(1, row[0] + 1)) for row in host],
+            None,
+        )
+
+    def _compact(
+        self, sampling: list[ScheduledRequest], layout: RoundLayout, verdict: _Verdict
+    ) -> None:
+        """Move each request's accepted tree nodes into the slots right after its root."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.config.block_size
+        for r, path in zip(sampling, verdict.path, strict=True):
+            root = r.target_start + len(r.target_token_ids) - 1
+            for depth, node in enumerate(path, start=1):
+                if node != depth:
+                    for key, out in ((root + node, src), (root + depth, dst)):
+                        out.append(r.block_table[key // bs] * bs + key % bs)
+        if src:
+            self.target.move_kv(src, dst)
+
+    def _outcome(
+        self,
+        reqs: list[ScheduledRequest],
+        sampling: list[ScheduledRequest],
+        layout: RoundLayout,
+        verdict: _Verdict,
+        target_pass: TargetPass | None,
+    ) -> RoundOutcome:
+        """For the drafter: per step request, the pass rows of the positions it keeps (a
+        prompt chunk's rows; a sampling request's root and accepted nodes)."""
+        path_of = {r.request_id: path for r, path in zip(sampling, verdict.path, strict=True)}
+        kept: list[list[int]] = []
+        for r, start in zip(reqs, layout.row_starts, strict=True):
+            rows = list(range(start, start + len(r.target_token_ids)))
+            path = path_of.get(r.request_id)
+            if path:
+                root = rows[-1]
+                rows.extend(root + node for node in path)
+            kept.append(rows)
+        return RoundOutcome(verdict.emitted, verdict.accepted, kept, target_pass)
+
+    def _emitted_logprobs(
+        self,
+        raw: torch.Tensor,
+        processed: torch.Tensor,
+        st: SamplingTensors,
+        layout: RoundLayout,
+        verdict: _Verdict,
+        asking: list[int],
+        params: list[SamplingParams],
+    ) -> dict[int, list]:
+        """Each asking request's logprobs at the tokens it emitted: the target's rows of its
+        root and of its accepted nodes."""
+        rows = {b: layout.node_rows(b, [0, *verdict.path[b]]) for b in asking}
+        pick = [row for b in asking for row in rows[b]]
+        lp = self._logprobs_at(raw, processed, st, pick)
+        firsts, at = {}, 0
+        for b in asking:
+            firsts[b], at = at, at + len(rows[b])
+        ks = [params[b].logprobs or 0 for b in asking]
+        return emitted_logprobs(lp, firsts, ks, verdict.emitted)
 
     def _logprobs_at(
         self, raw: torch.Tensor, processed: torch.Tensor, st: SamplingTensors, rows: list[int]

@@ -1,0 +1,180 @@
+"""Draft trees through the whole engine: greedy output equal to transformers', sampled output
+distributed as the target's, the target's cache after a tree round equal to a chain's, every
+block back in the pool.
+
+Statistics as in tests/test_exactness.py (same pair, same N, same ALPHA and power bound): the
+joint law of the first three generated tokens against the exact one, by chi-square, each test
+checking first that it would catch a total-variation error of 0.03 with probability 0.9.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbatch import LLM, SamplingParams
+from specbatch.testing.eagle_heads import make_eagle_head
+from tests.helpers import exact_joint, hf_greedy, make_perturbed_draft
+from tests.test_exactness import PROMPT, VOCAB, assert_matches, sample_sequences
+
+N = 14_000
+TREE = {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 5}
+BACKEND = "torch"
+
+
+@pytest.fixture(scope="module")
+def pair(make_checkpoint, tmp_path_factory):
+    target = make_checkpoint(
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seed=7,
+        max_position_embeddings=64,
+        eos_token_id=None,
+    )
+    root = tmp_path_factory.mktemp("tree_pair")
+    draft = make_perturbed_draft(target, root / "draft", noise=0.25, seed=1)
+    head = make_eagle_head(root / "head", target, "eagle3", seed=2, scale=0.5)
+    return target, draft, head
+
+
+def drafter(pair, method: str) -> dict:
+    _, draft, head = pair
+    model = draft if method == "draft_model" else head
+    return {"method": method, "model": str(model)}
+
+
+def engine(pair, method: str, seed: int = 0, **spec) -> LLM:
+    config = {**drafter(pair, method), **TREE, **spec}
+    return LLM(
+        str(pair[0]),
+        speculative_config=config,
+        attention_backend=BACKEND,
+        max_num_seqs=256,
+        num_kv_blocks=1024,
+        block_size=4,
+        seed=seed,
+        max_model_len=64,
+    )
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("children", ["sampled", "top"])
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_tree_sampling_is_the_targets_law(pair, method, children, temperature, top_p):
+    llm = engine(pair, method, seed=3, tree_children=children)
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, max_tokens=5, ignore_eos=True)
+    ] * N
+    samples = sample_sequences(llm, params)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98
+    assert max(len(o) for o in [spec.reached_by_position]) >= 2  # paths deeper than one node
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3, temperature, top_p))
+
+
+PENALTIES = dict(presence=0.6, frequency=-0.3, repetition=1.3, min_tokens=2, banned=(2,))
+
+
+def test_tree_sampling_with_penalties(pair):
+    """Each node's p is penalised with its own path (not the other branches' drafts)."""
+    llm = engine(pair, "draft_model", seed=5)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            max_tokens=5,
+            ignore_eos=True,
+            presence_penalty=PENALTIES["presence"],
+            frequency_penalty=PENALTIES["frequency"],
+            repetition_penalty=PENALTIES["repetition"],
+            min_tokens=PENALTIES["min_tokens"],
+            stop_token_ids=[2],
+        )
+    ] * N
+    samples = sample_sequences(llm, params)
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3, 1.0, penalties=PENALTIES))
+
+
+def test_a_node_attending_to_a_non_ancestor_is_caught(pair, monkeypatch):
+    """Every node seeing every earlier node (the causal rule instead of the tree's) must be
+    detected."""
+    from specbatch.model.layers import attention
+
+    real = attention.tree_visibility
+
+    def causal(first, bits, keys, valid):
+        return real(first, torch.full_like(bits, -1), keys, valid)
+
+    monkeypatch.setattr(attention, "tree_visibility", causal)
+    llm = engine(pair, "draft_model", seed=6)
+    params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)] * N
+    samples = sample_sequences(llm, params)
+    with pytest.raises(AssertionError, match="p="):
+        assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_greedy_tree_output_equals_transformers(make_checkpoint, tmp_path, arch, method):
+    target = make_checkpoint(arch, seed=11)
+    draft = make_perturbed_draft(target, tmp_path / "d", noise=0.05, seed=2)
+    head = make_eagle_head(tmp_path / "h", target, "eagle3", seed=4)
+    model = draft if method == "draft_model" else head
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, [100, 200, 30, 40]]
+    ref = hf_greedy(target, prompts, 24)
+    for shape in ({"topk": 2, "num_draft_tokens": 6}, {"topk": 4, "num_draft_tokens": 12}):
+        spec = {"method": method, "model": str(model), "num_speculative_tokens": 4, **shape}
+        llm = LLM(str(target), speculative_config=spec, attention_backend=BACKEND,
+                  num_kv_blocks=64, block_size=4, max_model_len=128)  # fmt: skip
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        if method == "draft_model":
+            assert llm.engine.metrics.spec.mean_tokens_per_round > 2.0
+
+
+def cache_rows(llm: LLM, table: list[int], n: int) -> list[torch.Tensor]:
+    """The target's keys and values of positions 0..n-1 of a request, layer by layer."""
+    runner = llm.engine.executor.worker.target
+    bs = llm.engine.config.block_size
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+    out = []
+    for k, v in runner.kv_caches:
+        out.append(k.view(-1, *k.shape[2:])[slots].clone())
+        out.append(v.view(-1, *v.shape[2:])[slots].clone())
+    return out
+
+
+def test_after_tree_rounds_the_cache_holds_the_accepted_path(pair):
+    """The target's cache after greedy tree rounds equals the cache of plain decoding of the
+    same tokens, slot by slot: accepted nodes were moved next to their roots."""
+    prompt = [0, 1, 2, 2, 1]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seen = {}
+    for name, spec in (("tree", {**drafter(pair, "draft_model"), **TREE}), ("plain", None)):
+        llm = LLM(str(pair[0]), speculative_config=spec, attention_backend=BACKEND,
+                  num_kv_blocks=64, block_size=4)  # fmt: skip
+        e = llm.engine
+        e.add_request({"prompt_token_ids": prompt}, params, request_id="r")
+        while e.has_unfinished_requests():
+            outs = e.step()
+            req = e.scheduler.requests.get("r")
+            if req is not None:
+                table = list(e.kv_cache.block_table("r"))
+                n = req.num_computed
+                seen[name] = (list(req.prompt_token_ids + req.output_token_ids)[:n],
+                              cache_rows(llm, table, n))  # fmt: skip
+        if name == "tree":
+            assert e.metrics.spec.accepted > 0 and outs
+    (tokens_t, rows_t), (tokens_p, rows_p) = seen["tree"], seen["plain"]
+    n = min(len(tokens_t), len(tokens_p))
+    assert tokens_t[:n] == tokens_p[:n] and n > len(prompt) + 4
+    for a, b in zip(rows_t, rows_p, strict=True):
+        torch.testing.assert_close(a[:n], b[:n], atol=1e-5, rtol=1e-5)
