@@ -1,10 +1,10 @@
-"""The adaptive draft-length policy (``num_speculative_tokens="auto"``).
+"""The draft controller (``num_speculative_tokens="auto"``).
 
-Unit tests on synthetic step times and acceptance: the price table, the alpha estimates, the
-choice, the probes and the KV limit; the policy learning inside a real scheduler driven by a
-simulated worker (step times from a known cost model, drafts accepted with a known alpha);
-then the engine-level wiring. The exactness tests with ``auto`` on are in test_exactness.py
-(TP=1) and test_ray_tp.py (TP=2).
+Unit tests on synthetic pass costs and acceptance: the row costs, the expected tokens, the
+choice; the controller learning inside a real scheduler driven by a simulated worker whose
+passes cost what a known cost model says and whose drafts are accepted with a known alpha;
+then the engine-level wiring. No timing: every second here is simulated. The exactness tests
+with ``auto`` on are in test_exactness.py (TP=1) and test_ray_tp.py (TP=2).
 """
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ import random
 import pytest
 
 from specbatch import SamplingParams
+from specbatch.draft_shape import DraftShape
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.adaptive import PROBE_EVERY, AdaptiveDraftLength, sampling_class
-from specbatch.scheduler.output import (
-    RequestStepResult,
-    ScheduledRequest,
-    SchedulerOutput,
-    StepResult,
+from specbatch.scheduler.draft_controller import (
+    PROBE_EVERY,
+    DraftController,
+    chain_tokens,
+    ladder,
+    tree_bound,
 )
+from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
+from specbatch.scheduler.row_costs import RowCosts, row_bucket
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
-from specbatch.scheduler.step_times import StepTimes, bucket
 from specbatch.stop_checker import StopChecker
 from specbatch.theory import expected_tokens_per_round
 from tests.test_exactness import PROMPT, engine, pair  # noqa: F401
@@ -35,331 +37,209 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=200)
 HOT = SamplingParams(temperature=1.0, max_tokens=200)
 
 
-def make_request(rid: str, prompt_len: int = 4, params: SamplingParams = GREEDY) -> Request:
-    req = Request(rid, list(range(1, prompt_len + 1)), params, max_model_len=256)
-    req.num_computed = req.num_draft_computed = prompt_len - 1  # decoding: one token to go
+def make_request(rid: str, params: SamplingParams = GREEDY, accepted=0, rejections=0) -> Request:
+    req = Request(rid, [1, 2, 3, 4], params, max_model_len=256)
+    req.num_computed = req.num_draft_computed = 3  # decoding: one token to go
+    req.spec.accepted, req.spec.rejections = accepted, rejections
     return req
 
 
-def price(pol: AdaptiveDraftLength, n: int, seconds: list[float], m: int | None = None) -> None:
-    """Measure one step of ``n`` requests at each depth (``seconds[g]``), ``m`` of them
-    drafting (all by default)."""
-    for g, t in enumerate(seconds):
-        pol.times.tick(n)
-        pol.times.observe(n, (n if m is None else m) if g else 0, g, t)
+# a machine where rows are nearly free up to 16 and cost linearly beyond (a GPU or AMX), and a
+# drafter pass costs a fifth of a target pass
+def memory_bound(rows: int) -> float:
+    return 0.002 + 0.0001 * max(0, rows - 16)
 
 
-def choices(pol: AdaptiveDraftLength, requests: list[Request], steps: int) -> list[list[int]]:
-    return [pol.draft_lengths(requests) for _ in range(steps)]
+def cheap_drafter(rows: int) -> float:
+    return 0.0004 + 0.00002 * rows
 
 
-# ---- prices -------------------------------------------------------------------------------------
-def test_buckets_are_powers_of_two_on_a_log_scale():
-    assert [bucket(n) for n in (1, 2, 3, 5, 6, 11, 12, 45, 46, 64)] == [
-        1,
-        2,
-        4,
-        4,
-        8,
-        8,
-        16,
-        32,
-        64,
-        64,
-    ]
+def priced(shapes: list[DraftShape], target=memory_bound, drafter=cheap_drafter):
+    ctl = DraftController(shapes)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        ctl.target.observe(rows, target(rows))
+        ctl.drafter.observe(rows, drafter(rows))
+    return ctl
 
 
-def test_prices_keep_the_depths_contrasts_while_the_machine_drifts():
-    """Depth 2 runs, 0, 1 and 3 are measured now and then, and the machine's speed moves by
-    half: the level follows it, the depths' contrasts stay."""
-    times = StepTimes()
-    true = {0: 10.0, 1: 14.0, 2: 17.0, 3: 20.0}
-    for i in range(600):
-        g = {0: 1, 5: 0, 10: 3}.get(i % 16, 2) if i >= 4 else i
-        speed = 1.5 + 0.5 * math.sin(i / 40)
-        times.tick(8)
-        times.observe(8, 8 if g else 0, g, true[g] * speed * 1e-3)
-        if i > 100:  # the prices are the machine's now
-            assert times.seconds(8, 2) == pytest.approx(true[2] * speed * 1e-3, rel=0.08)
-    for g in (0, 1, 3):
-        ratio = times.seconds(8, g) / times.seconds(8, 2)
-        assert ratio == pytest.approx(true[g] / true[2], rel=0.03)
+# ---- row costs ----------------------------------------------------------------------------------
+def test_row_buckets_and_interpolation():
+    assert [row_bucket(r) for r in (1, 2, 4, 8)] == [0, 4, 8, 12]
+    costs = RowCosts()
+    assert costs.seconds(4) is None
+    costs.observe(1, 0.001)
+    costs.observe(16, 0.004)
+    mid = costs.seconds(4)
+    assert 0.001 < mid < 0.004  # interpolated on a log-log scale
+    assert costs.seconds(1) == pytest.approx(0.001, rel=0.2)
+    assert costs.seconds(64) == pytest.approx(costs.seconds(16), rel=1e-6)  # optimistic: flat
+    costs = RowCosts()
+    costs.observe(8, 0.002)
+    assert costs.seconds(2) == pytest.approx(0.0005, rel=0.05)  # optimistic: proportional
 
 
-def test_a_new_bucket_borrows_the_nearest_contrasts_and_measures_its_level():
-    times = StepTimes()
-    for g, t in enumerate([10.0, 20.0, 30.0]):
-        times.tick(4)
-        times.observe(4, 4 if g else 0, g, t)
-    times.tick(16)  # 4 is the nearest (and only) bucket measured
-    assert times.seconds(16, 2) == pytest.approx(30.0)
-    times.observe(16, 16, 1, 60.0)  # its first step: three times bucket 4's
-    assert [times.seconds(16, g) for g in range(3)] == pytest.approx([30.0, 60.0, 90.0])
-    assert times.seconds(4, 1) == pytest.approx(20.0)  # bucket 4 keeps its own
+def test_row_costs_follow_the_machine_and_keep_their_contrasts():
+    costs = RowCosts()
+    for _ in range(50):
+        costs.observe(1, 0.001)
+        costs.observe(32, 0.003)
+    for _ in range(200):  # the machine slows by half; only one-row passes run
+        costs.observe(1, 0.0015)
+    assert costs.seconds(1) == pytest.approx(0.0015, rel=0.05)
+    assert costs.seconds(32) / costs.seconds(1) == pytest.approx(3.0, rel=0.05)
 
 
-def test_a_plan_where_some_requests_draft_is_priced_from_their_own_batch_size():
-    times = StepTimes()
-    for n, seconds in ((8, [10.0, 30.0]), (2, [4.0, 6.0])):
-        for g, t in enumerate(seconds):
-            times.tick(n)
-            times.observe(n, n if g else 0, g, t)
-    assert times.price(8, 8, 1) == pytest.approx(30.0)
-    assert times.price(8, 7, 1) == pytest.approx(30.0)  # 7 of 8 fill the bucket
-    assert times.price(8, 2, 1) == pytest.approx(10.0 + 6.0 - 4.0)
-    assert times.price(8, 4, 1) is None  # bucket 4 never measured
-    times.observe(8, 2, 1, 99.0)  # such a step prices no depth
-    assert times.price(8, 8, 1) == pytest.approx(30.0)
+# ---- expectations -------------------------------------------------------------------------------
+def test_chain_tokens_is_theorys_formula():
+    for a, k in ((0.5, 3), (0.8, 1), (0.0, 4)):
+        assert chain_tokens(a, k) == pytest.approx(expected_tokens_per_round(a, k))
+    tree = DraftShape(4, 4, 16)
+    assert tree_bound(0.6, tree) > chain_tokens(0.6, 4)  # more children per level, more tokens
 
 
-# ---- acceptance ---------------------------------------------------------------------------------
-def observe_rounds(pol: AdaptiveDraftLength, req: Request, rounds: list[tuple[int, int]]) -> None:
-    """Feed the policy finished rounds of ``req``: (drafts, accepted) each."""
-    pol.draft_lengths([req])  # the policy learns the request's sampling class
-    for num_draft, accepted in rounds:
-        sr = ScheduledRequest(req.request_id, [1], 8, [1], 8, num_draft, True, [0])
-        result = StepResult(
-            {req.request_id: RequestStepResult([1] * (accepted + 1), accepted, num_draft)}
-        )
-        pol.observe(SchedulerOutput(requests=[sr]), result, 0.01)
-        req.spec.record(num_draft, accepted)
-    pol.times = StepTimes()  # these steps teach acceptance only
-
-
-def test_expected_tokens_is_theorys_formula():
-    assert expected_tokens_per_round(0.5, 0) == 1.0
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens_per_round(1.0, 3) == 4.0
-
-
-def test_a_new_request_starts_at_its_class_rate_and_moves_to_its_own():
-    pol = AdaptiveDraftLength(4)
-    observe_rounds(pol, make_request("g"), [(4, 4)] * 100)  # greedy requests accept all
-    observe_rounds(pol, make_request("h", params=HOT), [(4, 0), (4, 1)] * 400)  # alpha 1/3
-    greedy, hot = make_request("g2"), make_request("h2", params=HOT)
-    pol.draft_lengths([greedy, hot])
-    alphas, rates = pol.rates([greedy, hot])
-    assert alphas == rates
-    assert alphas[0] > 0.95 and alphas[1] == pytest.approx(1 / 3, abs=0.03)
-    observe_rounds(pol, hot, [(4, 4)] * 40)  # this sampled request accepts every draft
-    alphas, rates = pol.rates([greedy, hot])
-    assert alphas[1] > 0.9 and rates[1] < 0.8
-    assert sampling_class(greedy) != sampling_class(hot)
+def test_a_trees_measured_yield_replaces_its_bound():
+    tree = DraftShape(3, 2, 6)
+    ctl = DraftController(ladder(3, 2, 6))
+    cls = (0.0, 1.0, 0, 0.0)
+    before = ctl.tokens(cls, 0.7, tree)
+    ctl.yields[cls, tree] = [1.2 * 1000, 1000]  # it yielded 1.2 tokens a round
+    after = ctl.tokens(cls, 0.7, tree)
+    assert after == pytest.approx(1.2, abs=0.02) and after < before
 
 
 # ---- the choice ---------------------------------------------------------------------------------
-def test_the_first_steps_run_each_depth_once_then_choose():
-    pol = AdaptiveDraftLength(4)
-    reqs = [make_request("a"), make_request("b")]
-    seen = []
-    for g, t in enumerate([10.0, 12.0, 14.0, 16.0, 18.0]):
-        seen.append(pol.draft_lengths(reqs))
-        pol.times.observe(2, 2 if g else 0, g, t)
-    assert seen == [[g, g] for g in range(5)]
-    assert pol.draft_lengths(reqs) == [2, 2]  # alpha 0.6: the most tokens per second
+def test_drafts_at_batch_one_and_stops_where_rows_cost_more_than_they_return():
+    """The issue's test: with step costs that make drafting lose at large batches, the
+    controller drafts at batch 1 and stops drafting there."""
+    ctl = priced(ladder(4, 1, 4))
+    for n in (1, 256):
+        reqs = [make_request(str(i), accepted=70, rejections=30) for i in range(n)]
+        shapes = ctl.draft_shapes(reqs)
+        if n == 1:
+            assert shapes[0].nodes >= 2  # rows are free: draft deep
+        else:
+            assert all(s.nodes == 0 for s in shapes)
 
 
-def test_picks_no_drafts_when_they_cost_more_than_they_return():
-    pol = AdaptiveDraftLength(4)
-    price(pol, 4, [10.0, 19.0, 28.0, 37.0, 46.0])  # a draft pass: 90% of a plain step
-    reqs = [make_request(str(i)) for i in range(4)]
-    assert choices(pol, reqs, PROBE_EVERY - 1) == [[0] * 4] * (PROBE_EVERY - 1)
+def test_drafts_are_worth_the_engines_rate_at_the_margin():
+    """A step that carries prompts is priced at its margin: rows that cost the same whatever
+    they hold pay for drafts only when the engine makes tokens more slowly than drafts do."""
+
+    def compute_bound(rows: int) -> float:
+        return 0.0002 * rows
+
+    ctl = priced(ladder(4, 1, 4), target=compute_bound)
+    reqs = [make_request(str(i), accepted=60, rejections=40) for i in range(4)]
+    ctl.rate = 1 / 0.0002  # a token a row: drafts (0.6 a row at best) do not pay
+    assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2000))
+    ctl.rate = 0.2 / 0.0002  # prompts make the engine's tokens dear: drafts pay
+    assert all(s.nodes for s in ctl.draft_shapes(reqs, prompt_rows=2000))
 
 
-def test_drafts_deeper_when_acceptance_is_higher():
-    def depth(accepted: int) -> int:
-        pol = AdaptiveDraftLength(8)
-        observe_rounds(pol, make_request("x"), [(8, accepted)] * 100)
-        price(pol, 1, [10.0 + 2.5 * g for g in range(9)])
-        return pol.draft_lengths([make_request("y")])[0]
-
-    depths = [depth(a) for a in (0, 1, 3, 8)]
-    assert depths == sorted(depths) and depths[0] == 0 and depths[-1] == 8
+def test_deeper_drafts_for_higher_acceptance_and_trees_where_rows_are_free():
+    ctl = priced(ladder(4, 4, 16))
+    low = ctl.draft_shapes([make_request("a", accepted=20, rejections=80)])[0]
+    high = ctl.draft_shapes([make_request("b", accepted=95, rejections=5)])[0]
+    assert high.depth >= low.depth
+    assert not ctl.draft_shapes([make_request("c", accepted=50, rejections=50)])[0].is_chain
 
 
-def test_favours_the_high_alpha_requests_in_a_mixed_batch():
-    pol = AdaptiveDraftLength(4)
-    observe_rounds(pol, make_request("g"), [(4, 4), (4, 3)] * 60)  # greedy: alpha ~0.9
-    observe_rounds(pol, make_request("h", params=HOT), [(4, 0)] * 60)  # sampled: ~0.05
-    # a draft position costs each request as much as plain decoding: worth it for greedy ones
-    price(pol, 4, [14.0 + 4.0 * g for g in range(5)])
-    price(pol, 8, [18.0 + 8.0 * g for g in range(5)])
-    batch = [make_request(str(i), params=GREEDY if i % 2 else HOT) for i in range(8)]
-    gammas = pol.draft_lengths(batch)
-    assert all(g > 0 for g in gammas[1::2]) and not any(gammas[0::2])
+def test_each_sampling_class_gets_its_own_shape():
+    ctl = priced(ladder(4, 1, 4), target=lambda r: 0.002 + 0.00005 * r)
+    ctl.tested[(0.0, 1.0, 0, 0.0)] = [9500, 10000]  # greedy requests accept almost all
+    ctl.tested[(1.0, 1.0, 0, 0.0)] = [500, 10000]  # hot ones almost none
+    reqs = [make_request(str(i), GREEDY if i % 2 else HOT) for i in range(32)]
+    shapes = ctl.draft_shapes(reqs)
+    greedy = {s for r, s in zip(reqs, shapes) if r.sampling_params.greedy}
+    hot = {s for r, s in zip(reqs, shapes) if not r.sampling_params.greedy}
+    assert len(greedy) == len(hot) == 1
+    assert greedy.pop().depth > hot.pop().depth
 
 
-def drive(
-    pol: AdaptiveDraftLength,
-    requests: list[Request],
-    seconds: list[float],
-    steps: int,
-    unmeasured: set[int] = frozenset(),  # type: ignore[assignment]
-) -> list[int]:
-    """Plan and observe ``steps`` steps taking ``seconds[g]`` at depth ``g``; the steps whose
-    index is in ``unmeasured`` carry a prompt chunk. A request that did not draft in the step
-    before makes its draft catch up on 5 tokens. Returns the deepest draft of each step."""
-    depths, drafted = [], {r.request_id for r in requests}
-    for i in range(steps):
-        gammas = pol.draft_lengths(requests)
-        plan = SchedulerOutput(
-            requests=[
-                ScheduledRequest(
-                    r.request_id,
-                    [1],
-                    8,
-                    [1] * (1 if r.request_id in drafted else 5) if g else [],
-                    8,
-                    g,
-                    True,
-                    [0],
-                )
-                for r, g in zip(requests, gammas)
-            ]
-        )
-        if i in unmeasured:
-            plan.requests.append(ScheduledRequest("new", [1] * 8, 0, [], 0, 0, True, [0]))
-        drafted = {sr.request_id for sr in plan.requests if sr.num_draft}
-        result = StepResult(
-            {sr.request_id: RequestStepResult([1], 0, sr.num_draft) for sr in plan.requests}
-        )
-        pol.observe(plan, result, seconds[max(gammas)])
-        pol.tested.clear()  # acceptance stays at the prior: only the prices matter here
-        depths.append(max(gammas))
-    return depths
+def test_runs_the_runner_up_every_probe_period():
+    ctl = priced(ladder(4, 1, 4))
+    reqs = [make_request("a", accepted=70, rejections=30)]
+    seen = [ctl.draft_shapes(reqs)[0] for _ in range(2 * PROBE_EVERY)]
+    assert len(set(seen)) == 2
+    assert sum(s != seen[0] for s in seen) == 2
 
 
-def test_probes_a_plan_beside_the_choice():
-    pol = AdaptiveDraftLength(4)
-    times = [10.0, 13.0, 14.0, 18.0, 25.0]  # alpha 0.6: depth 2 is the best
-    price(pol, 2, times)
-    reqs = [make_request("a"), make_request("b")]
-    steps = drive(pol, reqs, times, 4 * PROBE_EVERY)
-    probes = {i: g for i, g in enumerate(steps) if g != 2}
-    assert sorted(probes) == [PROBE_EVERY * k - 1 for k in range(1, 5)]
-    assert set(probes.values()) == {1, 3}  # one deeper, one shallower, in turn
-    # a probe whose step measured nothing runs again, once
-    steps = drive(pol, reqs, times, 2 * PROBE_EVERY - 1, unmeasured={PROBE_EVERY - 1, PROBE_EVERY})
-    assert [i for i, g in enumerate(steps) if g != 2] == [PROBE_EVERY - 1, PROBE_EVERY]
-
-
-def test_probes_from_no_drafts_only_a_borrowed_price():
-    pol = AdaptiveDraftLength(4)
-    times = [10.0, 30.0, 40.0, 50.0, 60.0]  # drafts do not pay
-    price(pol, 2, times)
-    reqs = [make_request("a"), make_request("b")]
-    assert not any(drive(pol, reqs, times, 4 * PROBE_EVERY))  # the draft lags both: no probe
-    # at a new bucket, prices borrowed: depth 1 once the draft caught up (the second step)
-    four = [make_request(str(i)) for i in range(4)]
-    steps = drive(pol, four, times, 4 * PROBE_EVERY)
-    assert [i for i, g in enumerate(steps) if g] == [PROBE_EVERY - 1, PROBE_EVERY]
-    assert pol.times.measured(4, 1) == 1
-
-
-def test_never_plans_past_the_free_kv_blocks():
-    kv = KVCacheManager(5, 4)
-    pol = AdaptiveDraftLength(4, kv)
-    price(pol, 2, [10.0, 10.5, 11.0, 11.5, 12.0])  # drafts nearly free: the most that fits
-    reqs = [make_request("a", 6), make_request("b", 7)]
-    for r in reqs:
-        assert kv.allocate(r.request_id, 8)  # 2 blocks each, slot 8 is the next block's
-    assert kv.num_free_blocks == 1
-    gammas = pol.draft_lengths(reqs)
-    need = sum(kv.blocks_needed(r.request_id, r.num_computed + 1 + g) for r, g in zip(reqs, gammas))
-    assert need <= kv.num_free_blocks
-    assert gammas == [2, 2]  # 3 each would take a block each
-    assert kv.allocate("c", 4)
-    assert pol.draft_lengths(reqs) == [1, 1]  # no free block: what the tables hold
+def test_no_drafts_before_anything_was_measured():
+    ctl = DraftController(ladder(4, 1, 4))
+    assert ctl.draft_shapes([make_request("a")]) == [DraftShape()]
 
 
 # ---- inside a scheduler, against a simulated worker ---------------------------------------------
-def run(
-    alpha: float,
-    draft_pass: float,
-    *,
-    verify_token: float = 0.0,
-    num_blocks: int = 1000,
-    num_requests: int = 16,
-    max_tokens: int = 60,
-    k: int = 4,
-) -> tuple[Scheduler, list[list[int]]]:
+def run(alpha: float, target, drafter, *, num_requests: int = 16, num_blocks: int = 1000,
+        max_tokens: int = 60, shapes=None) -> list[list[DraftShape]]:  # fmt: skip
     """A closed loop of ``num_requests`` requests: each draft accepted with probability
-    ``alpha``, a step taking 10 ms plus ``draft_pass`` seconds per draft position plus
-    ``verify_token`` per draft verified. Returns the scheduler and the gammas the policy asked
-    for at each step in which every request decoded, checking that they fit the free blocks."""
+    ``alpha``; each step's passes cost what ``target`` and ``drafter`` say for their rows.
+    Returns the shapes granted at each step where every request decoded."""
     rng = random.Random(0)
     kv = KVCacheManager(num_blocks, 4)
-    pol = AdaptiveDraftLength(k, kv)
+    ctl = DraftController(shapes or ladder(4, 1, 4))
     sched = Scheduler(
-        SchedulerLimits(num_requests, 4096, 256), kv, StopChecker(None), pol, speculative=True
+        SchedulerLimits(num_requests, 4096, 256), kv, StopChecker(None), ctl, speculative=True
     )
     for i in range(num_requests):
         sched.add_request(
             Request(str(i), list(range(1, 9)), SamplingParams(max_tokens=max_tokens), 256)
         )
-    asked: list[list[int]] = []
-    plan_lengths = pol.draft_lengths
-
-    def watched(requests: list[Request]) -> list[int]:
-        gammas = plan_lengths(requests)
-        need = sum(
-            kv.blocks_needed(r.request_id, r.num_computed + 1 + g) for r, g in zip(requests, gammas)
-        )
-        assert need <= kv.num_free_blocks
-        asked.append(gammas)
-        return gammas
-
-    pol.draft_lengths = watched  # type: ignore[method-assign]
     history = []
     while sched.has_unfinished():
-        asked.clear()
-        plan = sched.schedule()
+        plan: SchedulerOutput = sched.schedule()
         result = StepResult()
+        rows = 0
         for sr in plan.requests:
+            rows += len(sr.target_token_ids) + sr.num_draft
             if sr.sample:
                 a = 0
-                while a < sr.num_draft and rng.random() < alpha:
+                while a < sr.shape.depth and rng.random() < alpha:
                     a += 1
                 base = sr.target_start + len(sr.target_token_ids)
                 result.results[sr.request_id] = RequestStepResult(
                     [100 + base + i for i in range(a + 1)], a, sr.num_draft
                 )
-        drafts = [sr.num_draft for sr in plan.requests]
-        seconds = 0.01 + draft_pass * max(drafts) + verify_token * sum(drafts)
+        depth = max((sr.shape.depth for sr in plan.requests), default=0)
+        beams = [sum(sr.shape.topk for sr in plan.requests if sr.shape.depth > d)
+                 for d in range(1, depth)]  # fmt: skip
+        result.passes = [("target", rows, target(rows))]
+        result.passes += [("draft", b, drafter(b)) for b in beams]
         sched.update(plan, result)
-        pol.observe(plan, result, seconds)
-        if asked and all(len(sr.target_token_ids) == 1 for sr in plan.requests):
-            history.append(asked[0])
+        ctl.observe(plan, result, sum(p[2] for p in result.passes) + 0.0002)
+        if all(len(sr.target_token_ids) == 1 for sr in plan.requests):
+            history.append([sr.shape for sr in plan.requests])
     assert sched.num_preemptions == 0
-    return sched, history
+    return history
 
 
-def test_learns_to_stop_drafting_when_drafts_do_not_pay():
-    _, history = run(0.3, 0.008)  # a draft pass costs 80% of a step, a third accepted
+def test_learns_to_draft_when_rows_are_free_and_acceptance_high():
+    history = run(0.9, memory_bound, cheap_drafter, num_requests=2, max_tokens=200)
+    late = [s.depth for step in history[10:] for s in step]
+    assert late and sum(d >= 3 for d in late) > 0.8 * len(late)
+
+
+def test_learns_not_to_draft_when_rows_cost_and_drafts_fail():
+    def costly(rows: int) -> float:
+        return 0.001 * rows
+
+    history = run(0.2, costly, lambda r: 0.0005 * r)
     late = history[10:]
-    drafting = [step for step in late if any(step)]
-    assert late and len(drafting) <= 0.2 * len(late)  # the probes only
-    assert all(max(step) == 1 for step in drafting)
-
-
-def test_learns_to_draft_long_when_acceptance_is_high():
-    _, history = run(0.95, 0.0005, max_tokens=200)
-    late = [g for step in history[10:] for g in step]
-    assert late and sum(g == 4 for g in late) > 0.8 * len(late)
+    drafting = [step for step in late if any(s.nodes for s in step)]
+    assert late and len(drafting) <= 0.1 * len(late)  # the probes only
 
 
 def test_drafts_within_the_free_blocks_without_preempting():
-    # 16 requests of 8 prompt + 40 output tokens take 12 blocks each: 200 blocks leave little
-    _, history = run(0.9, 0.0, num_blocks=200, max_tokens=40)
-    assert any(sum(step) < 4 * len(step) for step in history)  # drafts cut for room
+    history = run(0.9, memory_bound, cheap_drafter, num_blocks=200, max_tokens=40)
+    assert history  # run() checks that nothing was preempted
 
 
 # ---- engine level -------------------------------------------------------------------------------
 def test_engine_args_accept_auto(pair):  # noqa: F811
     llm = engine(pair, "auto", max_draft_length=3)
     assert llm.engine.config.adaptive_speculation
-    assert isinstance(llm.engine.scheduler.policy, AdaptiveDraftLength)
-    assert llm.engine.scheduler.policy.max_draft_length == 3
+    policy = llm.engine.scheduler.policy
+    assert isinstance(policy, DraftController) and policy.shape.depth == 3
     out = llm.generate(
         [{"prompt_token_ids": PROMPT}],
         SamplingParams(max_tokens=20, ignore_eos=True),
@@ -371,7 +251,8 @@ def test_engine_args_accept_auto(pair):  # noqa: F811
     page = parse_metrics(ServerMetrics().render(llm.engine, healthy=True))
     assert page["specbatch_spec_decode_draft_length_count"] == sum(counts.values())
     assert page['specbatch_spec_decode_draft_length_bucket{le="0"}'] == counts[0]
-    assert out[0].metrics.draft_lengths  # the per-request metrics: gamma of each round
+    assert out[0].metrics.draft_lengths  # the per-request metrics: drafts of each round
+    assert policy.target.level is not None and math.isfinite(policy.target.level)
     fixed = engine(pair, 2)
     page = parse_metrics(ServerMetrics().render(fixed.engine, healthy=True))
     assert "specbatch_spec_decode_draft_length_count" not in page

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from specbatch import LLM, EngineError, InvalidInputError, SamplingParams
-from specbatch.scheduler.adaptive import AdaptiveDraftLength
+from specbatch.scheduler.draft_controller import DraftController
 from tests.helpers import exact_joint, make_perturbed_draft
 from tests.test_exactness import PROMPT, assert_matches, engine, sample_sequences
 
@@ -216,7 +216,7 @@ def test_penalties_logprobs_and_n_tp2_equal_tp1(engines, name: str) -> None:
 
 def test_auto_decodes_as_tp1(engines) -> None:
     llm = engines("auto", 2)
-    assert isinstance(llm.engine.scheduler.policy, AdaptiveDraftLength)
+    assert isinstance(llm.engine.scheduler.policy, DraftController)
     assert token_ids(llm, GREEDY) == token_ids(engines("plain", 1), GREEDY)
     counts = llm.engine.metrics.draft_length_counts
     assert sum(n for g, n in counts.items() if g > 0) > 0  # it drafted

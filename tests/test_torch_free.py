@@ -6,7 +6,8 @@ import sys
 
 MODULES = [
     "specbatch.scheduler.scheduler",
-    "specbatch.scheduler.adaptive",
+    "specbatch.scheduler.draft_controller",
+    "specbatch.scheduler.row_costs",
     "specbatch.kv_cache.kv_cache_manager",
 ]
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from specbatch.config import EngineArgs, EngineConfig
+from specbatch.drafters import DRAFTERS
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
@@ -20,10 +21,10 @@ from specbatch.outputs import (
 )
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.adaptive import AdaptiveDraftLength
+from specbatch.scheduler.draft_controller import DraftController, ladder
 from specbatch.scheduler.output import PositionLogprobs
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
-from specbatch.scheduler.speculation import FixedDraftLength, SpeculationPolicy
+from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 from specbatch.tokenizer import encode_text, eos_token_ids, load_tokenizer, max_token_chars
 from specbatch.worker.executor import Executor, UniprocExecutor
@@ -60,12 +61,11 @@ class LLMEngine:
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.stop_checker = StopChecker(self.tokenizer)
-        policy: SpeculationPolicy = FixedDraftLength(config.num_speculative_tokens)
+        policy: SpeculationPolicy = FixedDraft(config.draft_shape)
+        kind = DRAFTERS.get(config.spec_method)
         if config.adaptive_speculation:
-            k = config.num_speculative_tokens
-            policy = AdaptiveDraftLength(
-                k, self.kv_cache, k + 1 if config.spec_method == "eagle" else 3
-            )
+            largest = config.draft_shape
+            policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -76,7 +76,7 @@ class LLMEngine:
             self.stop_checker,
             policy=policy,
             speculative=config.speculative,
-            draft_input={"ngram": "none", "eagle": "features"}.get(config.spec_method, "tokens"),
+            draft_input=kind.draft_input if kind is not None else "none",
             batch_invariant=config.batch_invariant,
         )
         self.metrics = EngineMetrics()

@@ -178,7 +178,7 @@ class ServerMetrics:
             )
             lines.append(f"# TYPE {name} histogram")
             cumulative = 0
-            for k in range(sched.policy.max_draft_length + 1):
+            for k in range(sched.policy.shape.depth + 1):
                 cumulative += counts.get(k, 0)
                 lines.append(f'{name}_bucket{{le="{k}"}} {cumulative}')
             lines.append(f'{name}_bucket{{le="+Inf"}} {sum(counts.values())}')

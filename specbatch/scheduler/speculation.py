@@ -1,20 +1,22 @@
-"""How many tokens each request may draft this step (before KV and length limits)."""
+"""What each request may draft this step (before KV and length limits)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 
 
 class SpeculationPolicy(Protocol):
-    """Everything the engine and the scheduler call on a draft-length policy."""
+    """Everything the engine and the scheduler call on a draft policy."""
 
-    max_draft_length: int
+    shape: DraftShape  # the largest drafts it asks any request for
 
-    def draft_lengths(self, requests: list[Request]) -> list[int]:
-        """The draft length each decoding request would like this step (0 allowed)."""
+    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        """The drafts each decoding request would like this step (none allowed), in a step
+        whose target pass also carries about ``prompt_rows`` rows of prompts."""
         ...
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
@@ -22,14 +24,15 @@ class SpeculationPolicy(Protocol):
         ...
 
 
-class FixedDraftLength:
-    """Every decoding request drafts the same ``k`` tokens (0 turns speculation off)."""
+class FixedDraft:
+    """Every decoding request drafts the same shape (a chain of ``k``; 0 turns speculation
+    off)."""
 
-    def __init__(self, k: int) -> None:
-        self.max_draft_length = k
+    def __init__(self, shape: DraftShape | int) -> None:
+        self.shape = shape if isinstance(shape, DraftShape) else DraftShape.chain(shape)
 
-    def draft_lengths(self, requests: list[Request]) -> list[int]:
-        return [self.max_draft_length] * len(requests)
+    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        return [self.shape] * len(requests)
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
         pass

@@ -1,0 +1,241 @@
+"""``num_speculative_tokens="auto"``: each step, the drafts of most expected tokens per second.
+
+For the decoding requests of a step, every candidate shape of a small ladder (no drafts, chains
+of 1 .. ``max_draft_length``, and, when ``topk`` > 1, trees of that many children per node) is
+priced by what this machine's passes cost and what the requests are expected to accept; the
+step runs the best. docs/ADAPTIVE.md explains it; the choice reads only earlier steps, so the
+output law is the target's whatever it picks.
+
+Tokens. A request's ``alpha`` (accepted / tested drafts) leans on its sampling class's rate
+(``PRIOR_WEIGHT`` pseudo-tests), which leans on the rate of every class, starting at
+``PRIOR_ALPHA``. A chain of k drafts yields ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens a
+round (THEORY.md). A tree of depth D accepts a level with at most ``1 - (1 - a)^b`` (b its
+children per level); its expectation from that bound is replaced, as rounds come in, by what
+trees of that shape yielded in its class.
+
+Seconds. A step costs the target's pass over all its rows (the prompt chunks it carries
+included, and what admissions will add), the drafter's passes (one per depth after the first,
+over the requests' beams), and the rest of the step, each measured (row_costs.py).
+
+The choice. Drafts pay when the tokens they add are worth the seconds they add at the rate the
+engine makes tokens anyway: the plan of highest ``tokens - rate * seconds``, ``rate`` being the
+engine's recent tokens per second. So drafting stops where verifying rows or drafting passes
+cost more than the tokens they bring, and a step that carries prompts is priced at its margin.
+Each sampling class gets its own shape (two sweeps of choosing one class's shape with the
+others fixed).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from specbatch.draft_shape import DraftShape
+from specbatch.request import Request
+from specbatch.scheduler.output import SchedulerOutput, StepResult
+from specbatch.scheduler.row_costs import RowCosts
+
+PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
+PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
+TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
+PROBE_EVERY = 32  # steps between two runs of the runner-up plan (keeps its figures fresh)
+RATE_MEMORY = 0.2  # share of a step's tokens per second that moves the engine's rate
+
+SamplingClass = tuple[float, float, int, float]
+Counts = dict[SamplingClass, int]  # requests of each class in the step
+Alphas = dict[SamplingClass, float]
+Shapes = dict[SamplingClass, DraftShape]  # a plan: each class's shape
+
+
+def sampling_class(req: Request) -> SamplingClass:
+    """Requests expected to accept drafts alike: greedy ones, or those sampled the same way."""
+    p = req.sampling_params
+    return (0.0, 1.0, 0, 0.0) if p.greedy else (p.temperature, p.top_p, p.top_k, p.min_p)
+
+
+def lean(accepted: float, tested: float, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+    """A rate's posterior mean, with ``weight`` pseudo-tests at ``prior``."""
+    return (accepted + weight * prior) / (tested + weight)
+
+
+def chain_tokens(alpha: float, k: int) -> float:
+    """THEORY.md's expected tokens a round of a k-draft chain at acceptance ``alpha``."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+def tree_bound(alpha: float, shape: DraftShape) -> float:
+    """Tokens a round of a tree, were its levels accepted independently with ``b`` children
+    each (an upper bound: siblings are correlated)."""
+    b = max(1.0, min(shape.topk, shape.nodes / max(shape.depth, 1)))
+    level = 1.0 - (1.0 - alpha) ** b
+    return chain_tokens(level, shape.depth)
+
+
+def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
+    """The candidate shapes: none, every chain up to ``max_depth``, trees of ``topk``."""
+    shapes = [DraftShape.chain(k) for k in range(max_depth + 1)]
+    if topk > 1:
+        for depth in range(2, max_depth + 1):
+            for nodes in sorted({2 * depth, max_nodes}):
+                tree = DraftShape(depth, topk, min(nodes, max_nodes))
+                if tree.nodes > depth and tree not in shapes:
+                    shapes.append(tree)
+    return shapes
+
+
+@dataclass
+class Plan:
+    shapes: Shapes
+    value: float  # expected tokens less the seconds' worth
+
+
+class DraftController:
+    """Per step and sampling class, a shape from ``ladder``; within the free KV blocks the
+    scheduler grants what fits."""
+
+    def __init__(self, shapes: list[DraftShape]) -> None:
+        self.shapes = shapes
+        self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
+        self.target = RowCosts()
+        self.drafter = RowCosts()
+        self.rest: dict[DraftShape, float] = {}  # the rest of a step, by its deepest shape
+        self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
+        self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
+        self._class_of: dict[str, SamplingClass] = {}
+        self._steps: defaultdict[int, int] = defaultdict(int)
+        self.rate: float | None = None  # the engine's recent tokens per second
+        self._rate_used = 0.0
+        self.last: Plan | None = None
+
+    # ---- expectations --------------------------------------------------------------------
+    def alpha(self, cls: SamplingClass, requests: list[Request]) -> float:
+        """The class's acceptance, leaning on the rate over every class."""
+        overall = lean(
+            sum(c[0] for c in self.tested.values()),
+            sum(c[1] for c in self.tested.values()),
+            PRIOR_ALPHA,
+        )
+        acc, tested = self.tested.get(cls, (0.0, 0.0))
+        own_acc = sum(r.spec.accepted for r in requests)
+        own_tested = sum(r.spec.accepted + r.spec.rejections for r in requests)
+        rate = lean(acc, tested, overall)
+        return lean(own_acc, own_tested, rate)
+
+    def tokens(self, cls: SamplingClass, alpha: float, shape: DraftShape) -> float:
+        """Expected tokens a round for one request of ``cls``."""
+        if shape.nodes == 0:
+            return 1.0
+        if shape.is_chain:
+            return chain_tokens(alpha, shape.depth)
+        bound = tree_bound(alpha, shape)
+        got, rounds = self.yields.get((cls, shape), (0.0, 0.0))
+        return (got + TREE_PRIOR_ROUNDS * bound) / (rounds + TREE_PRIOR_ROUNDS)
+
+    # ---- prices --------------------------------------------------------------------------
+    def seconds(self, counts: Counts, plan: Shapes, prompt_rows: int) -> float | None:
+        rows = prompt_rows + sum(n * (1 + plan[c].nodes) for c, n in counts.items())
+        t = self.target.seconds(rows)
+        if t is None:
+            return None
+        depth = max(s.depth for s in plan.values())
+        for d in range(1, depth):  # one drafter pass per depth after the first
+            beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
+            t += self.drafter.seconds(beam) or 0.0
+        deepest = max(plan.values(), key=lambda s: (s.depth, s.nodes))
+        return t + self.rest.get(deepest, self.rest.get(DraftShape(), 0.0))
+
+    # ---- the choice ----------------------------------------------------------------------
+    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        if not requests:
+            return []
+        groups: dict[SamplingClass, list[Request]] = defaultdict(list)
+        for r in requests:
+            groups[sampling_class(r)].append(r)
+        self._class_of = {r.request_id: sampling_class(r) for r in requests}
+        alphas = {c: self.alpha(c, rs) for c, rs in groups.items()}
+        counts = {c: len(rs) for c, rs in groups.items()}
+        unpriced = self.target.level is None
+        plan = {c: DraftShape() for c in groups}
+        if not unpriced:
+            plan = self._best(counts, alphas, prompt_rows)
+        n = len(requests)
+        self._steps[n] += 1
+        if not unpriced and self._steps[n] % PROBE_EVERY == 0:
+            plan = self._runner_up(counts, alphas, prompt_rows, plan)
+        return [plan[sampling_class(r)] for r in requests]
+
+    def _value(
+        self, counts: Counts, alphas: Alphas, plan: Shapes, prompt_rows: int, rate: float
+    ) -> float:
+        """Expected tokens less what the step's seconds are worth at ``rate``."""
+        t = self.seconds(counts, plan, prompt_rows)
+        if t is None:
+            return float("-inf")
+        tokens = sum(n * self.tokens(c, alphas[c], plan[c]) for c, n in counts.items())
+        return tokens - rate * t
+
+    def _best(self, counts: Counts, alphas: Alphas, prompt_rows: int) -> Shapes:
+        plan = {c: DraftShape() for c in counts}
+        rate = self.rate
+        if rate is None:  # before any step was seen: this step's own rate without drafts
+            t = self.seconds(counts, plan, prompt_rows) or 1.0
+            rate = sum(counts.values()) / t
+        best = self._value(counts, alphas, plan, prompt_rows, rate)
+        for _ in range(2):
+            for c in sorted(counts, key=lambda c: -counts[c]):
+                for shape in self.shapes:
+                    trial = {**plan, c: shape}
+                    value = self._value(counts, alphas, trial, prompt_rows, rate)
+                    if value > best:
+                        plan, best = trial, value
+        self._rate_used = rate
+        self.last = Plan(plan, best)
+        return plan
+
+    def _runner_up(self, counts, alphas, prompt_rows, plan):
+        """The best plan that differs from ``plan`` in the largest class's shape."""
+        c = max(counts, key=lambda c: counts[c])
+        others = [s for s in self.shapes if s != plan[c]]
+        if not others:
+            return plan
+        rate = self._rate_used
+
+        def value(s: DraftShape) -> float:
+            return self._value(counts, alphas, {**plan, c: s}, prompt_rows, rate)
+
+        return {**plan, c: max(others, key=value)}
+
+    # ---- after the step ------------------------------------------------------------------
+    def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
+        """Count each class's tested drafts and trees' yields; price the passes it ran."""
+        deepest = DraftShape()
+        for sr in plan.requests:
+            r = result.results.get(sr.request_id)
+            if r is None or not r.num_proposed:
+                continue
+            shape = sr.shape
+            if (shape.depth, shape.nodes) > (deepest.depth, deepest.nodes):
+                deepest = shape
+            cls = self._class_of.get(sr.request_id)
+            if cls is None:
+                continue
+            rejected = r.rejected if r.rejected is not None else r.num_accepted < r.num_proposed
+            counts = self.tested.setdefault(cls, [0.0, 0.0])
+            counts[0] += r.num_accepted
+            counts[1] += r.num_accepted + rejected
+            if not shape.is_chain:
+                y = self.yields.setdefault((cls, shape), [0.0, 0.0])
+                y[0] += r.num_accepted + 1
+                y[1] += 1
+        emitted = sum(len(r.token_ids) for r in result.results.values())
+        if seconds > 0 and emitted:
+            now = emitted / seconds
+            self.rate = now if self.rate is None else self.rate + RATE_MEMORY * (now - self.rate)
+        passes = 0.0
+        for model, rows, secs in result.passes:
+            (self.target if model == "target" else self.drafter).observe(rows, secs)
+            passes += secs
+        if result.passes:
+            rest = max(seconds - passes, 0.0)
+            old = self.rest.get(deepest)
+            self.rest[deepest] = rest if old is None else old + 0.25 * (rest - old)
