@@ -258,7 +258,8 @@ class LLMEngine:
         out = CompletionOutput(index, text, list(req.output_token_ids), reason, req.stop_reason)
         if req.sampling_params.logprobs is not None:
             key = ("output", req.request_id)
-            out.logprobs = self._converted(key, req.output_logprobs, req.output_token_ids)
+            texts = self.stop_checker.token_texts(req)
+            out.logprobs = self._converted(key, req.output_logprobs, req.output_token_ids, texts)
             out.cumulative_logprob = sum(e[0] for e in req.output_logprobs)
         if finished:
             self._forget(req)
@@ -267,13 +268,21 @@ class LLMEngine:
         return out
 
     def _converted(
-        self, key: tuple[str, str], entries: list[PositionLogprobs], tokens: list[int]
+        self,
+        key: tuple[str, str],
+        entries: list[PositionLogprobs],
+        tokens: list[int],
+        texts: list[str] | None = None,
     ) -> list[PositionLogprobDict]:
         """``entries`` (of ``tokens``) in vLLM's shape, converting only the ones not converted
-        at an earlier step under ``key``."""
+        at an earlier step under ``key``; ``texts``: each token's share of the text, for the
+        chosen tokens (a token alone may decode to half a character)."""
         done = self._logprobs.setdefault(key, [])
         n = len(done)
         done.extend(logprob_dicts(entries[n:], tokens[n : len(entries)], self._decoder()))
+        if texts is not None:
+            for i in range(n, len(done)):
+                done[i][tokens[i]].decoded_token = texts[i]
         return list(done)
 
     def _decoder(self) -> Any:
