@@ -332,6 +332,14 @@ class LLMEngine:
         )
 
     # ---- introspection ---------------------------------------------------------------------
+    def num_requests(self) -> tuple[int, int]:
+        """Requests running (a completion in the batch) and waiting, ``n > 1`` counted once.
+        Reads copies of the scheduler's collections: safe from another thread."""
+        group = self._group_of
+        running = {group.get(r.request_id, r.request_id) for r in list(self.scheduler.running)}
+        unfinished = {group.get(rid, rid) for rid in list(self.scheduler.requests)}
+        return len(running), len(unfinished - running)
+
     @property
     def num_free_kv_blocks(self) -> int:
         return self.kv_cache.num_free_blocks
