@@ -28,12 +28,22 @@ MakeChunk = Callable[[str, str | None, RequestOutput, CompletionOutput, int], di
 
 @dataclass(frozen=True)
 class ReplyIds:
-    """What every chunk of one streamed reply carries."""
+    """What every reply, and every chunk of a streamed one, carries."""
 
     id: str
     created: int
-    object: str  # "text_completion" or "chat.completion.chunk"
+    object: str  # "text_completion", "chat.completion" or "chat.completion.chunk"
     model: str
+
+    def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
 
 def engine_error(e: EngineError) -> ApiError:
@@ -215,16 +225,7 @@ def sse_response(
                         reason = finish_reason_of(c) if delta.done else None
                         yield sse_event(make_chunk(text, reason, out, c, start))
             if include_usage and last is not None:
-                yield sse_event(
-                    {
-                        "id": ids.id,
-                        "object": ids.object,
-                        "created": ids.created,
-                        "model": ids.model,
-                        "choices": [],
-                        "usage": usage_of(last),
-                    }
-                )
+                yield sse_event(ids.wrap([], usage=usage_of(last)))
             yield "data: [DONE]\n\n"
         except EngineError as e:
             err = engine_error(e)

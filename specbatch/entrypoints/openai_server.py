@@ -150,24 +150,15 @@ class OpenAIServer:
         params = sampling_params(values)
         requested = requested_max_tokens(body, ("max_tokens",))
         stream, prompt_ids = await self.start(one_prompt(body.prompt), params, "prompt", requested)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        reply = ReplyIds(
+            f"cmpl-{uuid.uuid4().hex}", int(time.time()), "text_completion", self.model_name
+        )
         echo, top, tok = body.echo, body.logprobs, self.engine.engine.tokenizer
         prompt_texts: list[str | None] = [None] * len(prompt_ids)
         if echo and top is not None and tok is not None:  # each token's share of the prompt
             prompt_texts = await self.engine.run_on_tokenizer_threads(
                 token_texts, tok, prompt_ids, params.skip_special_tokens
             )
-
-        def choice(index: int, text: str, finish: str | None, lps: Any) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
-                ],
-            }
 
         def chunk(
             text: str, finish: str | None, out: RequestOutput, c: CompletionOutput, start: int
@@ -186,18 +177,14 @@ class OpenAIServer:
             lps = None
             if top is not None and c.logprobs is not None:
                 lps = legacy_logprobs(entries, ids, top, texts)
-            return choice(c.index, prefix + text, finish, lps)
+            choice = {"index": c.index, "text": prefix + text, "logprobs": lps}
+            return reply.wrap([{**choice, "finish_reason": finish}])
 
         if body.stream:
-            ids = ReplyIds(rid, created, "text_completion", self.model_name)
-            return self._stream(stream, params, ids, chunk, [], body)
+            return self._stream(stream, params, reply, chunk, [], body)
         out = await collect(stream, request)
-        reply = choice(0, "", None, None)
-        reply["choices"] = [
-            chunk(c.text, finish_reason_of(c), out, c, 0)["choices"][0] for c in out.outputs
-        ]
-        reply["usage"] = usage_of(out)
-        return JSONResponse(reply)
+        choices = [chunk(c.text, finish_reason_of(c), out, c, 0)["choices"][0] for c in out.outputs]
+        return JSONResponse(reply.wrap(choices, usage=usage_of(out)))
 
     # -- chat --
     async def chat(self, body: ChatRequest, request: Request) -> Any:
@@ -218,6 +205,7 @@ class OpenAIServer:
             raise bad_request(str(e), "messages") from None
         stream, _ = await self.start(text, params, "messages", requested, add_special_tokens=False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
 
         def lps_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
             if top is None or c.logprobs is None:
@@ -230,18 +218,10 @@ class OpenAIServer:
         def chunk(
             index: int, delta: dict[str, str], finish: str | None, lps: Any
         ) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
-                ],
-            }
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            return ids.wrap([choice])
 
         if body.stream:
-            ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
             first = [
                 chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(params.n)
             ]
@@ -253,24 +233,17 @@ class OpenAIServer:
 
             return self._stream(stream, params, ids, text_chunk, first, body)
         out = await collect(stream, request)
-        return JSONResponse(
+        choices = [
             {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lps_of(c, 0),
-                        "finish_reason": finish_reason_of(c),
-                    }
-                    for c in out.outputs
-                ],
-                "usage": usage_of(out),
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lps_of(c, 0),
+                "finish_reason": finish_reason_of(c),
             }
-        )
+            for c in out.outputs
+        ]
+        whole = ReplyIds(rid, created, "chat.completion", self.model_name)
+        return JSONResponse(whole.wrap(choices, usage=usage_of(out)))
 
     # -- shared --
     def _stream(
