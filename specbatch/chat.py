@@ -14,6 +14,7 @@ from typing import Any
 from specbatch.errors import InvalidInputError
 
 Message = dict[str, Any]
+ROLES = ("system", "developer", "user", "assistant")  # the roles of a text conversation
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -41,6 +42,10 @@ def check_messages(messages: Any, where: str = "messages") -> list[dict[str, str
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidInputError(f"{where}[{i}] must be an object with a string role")
+        if m["role"] not in ROLES:
+            raise InvalidInputError(
+                f"{where}[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}"
+            )
         out.append({"role": m["role"], "content": _text_of(m.get("content"), f"{where}[{i}]")})
     return out
 

@@ -23,6 +23,11 @@ class StopChecker:
         detok = self._detok.get(req.request_id)
         return detok.text if detok else ""
 
+    def token_texts(self, req: Request) -> list[str] | None:
+        """Each output token's share of the text (see ``IncrementalDetokenizer``)."""
+        detok = self._detok.get(req.request_id)
+        return detok.token_texts if detok else None
+
     def forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
 

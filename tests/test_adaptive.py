@@ -16,6 +16,7 @@ import pytest
 
 from specbatch import SamplingParams
 from specbatch.draft_shape import DraftShape
+from specbatch.engine.async_engine import AsyncLLMEngine
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
@@ -248,14 +249,14 @@ def test_engine_args_accept_auto(pair):  # noqa: F811
     assert len(out[0].outputs[0].token_ids) == 20
     counts = llm.engine.metrics.draft_length_counts
     assert sum(counts.values()) > 0 and max(counts) <= 3
-    page = parse_metrics(ServerMetrics().render(llm.engine, healthy=True))
-    assert page["specbatch_spec_decode_draft_length_count"] == sum(counts.values())
-    assert page['specbatch_spec_decode_draft_length_bucket{le="0"}'] == counts[0]
+    page = parse_metrics(ServerMetrics(AsyncLLMEngine(llm.engine), "m").render())
+    assert page["specbatch:spec_decode_draft_length_count"] == sum(counts.values())
+    assert page['specbatch:spec_decode_draft_length_bucket{le="0"}'] == counts[0]
     assert out[0].metrics.draft_lengths  # the per-request metrics: drafts of each round
     assert policy.target.level is not None and math.isfinite(policy.target.level)
     fixed = engine(pair, 2)
-    page = parse_metrics(ServerMetrics().render(fixed.engine, healthy=True))
-    assert "specbatch_spec_decode_draft_length_count" not in page
+    page = parse_metrics(ServerMetrics(AsyncLLMEngine(fixed.engine), "m").render())
+    assert "specbatch:spec_decode_draft_length_count" not in page
 
 
 def test_bench_has_an_auto_row(make_checkpoint, tmp_path):

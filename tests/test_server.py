@@ -106,6 +106,13 @@ def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.01)
+
+
 def wait_pool_full(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -175,7 +182,8 @@ def test_n_logprobs_echo_and_penalties_through_the_openai_client(
         assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 10
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert all(v <= 0 for v in lp.token_logprobs[1:])
-        assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+        for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]):
+            assert token in top and len(top) <= 3  # the top 2, and the sampled token
         assert lp.text_offset == sorted(lp.text_offset)
     assert len({c.text for c in full.choices}) > 1  # each completion has its own stream
     # the stream of the same seeded request: the same tokens and logprobs, choice by choice
@@ -295,10 +303,12 @@ def test_chat(server: ServerThread, client: Any) -> None:
 
 def test_disconnect_frees_blocks(server: ServerThread) -> None:
     engine = server.engine.engine
-    real_step = engine.step
+    real_step, steps, held = engine.step, [0], threading.Event()
 
-    def slow_step() -> list[Any]:  # the tiny model would finish 200 tokens before the close
-        time.sleep(0.005)
+    def held_step() -> list[Any]:  # after the first token, the request waits for the client
+        steps[0] += 1
+        if steps[0] > 1:
+            held.wait(30)
         return real_step()
 
     aborted = server.engine.num_aborted
@@ -309,7 +319,7 @@ def test_disconnect_frees_blocks(server: ServerThread) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    engine.step = slow_step  # type: ignore[method-assign]
+    engine.step = held_step  # type: ignore[method-assign]
     try:
         with (
             httpx.Client(timeout=30) as c,
@@ -317,16 +327,18 @@ def test_disconnect_frees_blocks(server: ServerThread) -> None:
         ):
             assert r.status_code == 200
             next(r.iter_lines())
-            assert engine.num_free_kv_blocks < engine.num_kv_blocks  # it holds blocks now
+            wait_for(lambda: engine.num_free_kv_blocks < engine.num_kv_blocks, "blocks held")
+        held.set()
         wait_pool_full(server.engine)
     finally:
+        held.set()
         engine.step = real_step  # type: ignore[method-assign]
     assert server.engine.num_aborted == aborted + 1
     assert server.engine.engine.metrics.num_generated_tokens > 0
     r = httpx.get(f"{server.url}/metrics")
     m = parse_metrics(r.text)
-    assert m["specbatch_kv_blocks_used"] == 0
-    assert m['specbatch_request_success_total{finished_reason="abort"}'] >= 1
+    assert m["specbatch:kv_blocks_used"] == 0
+    assert m['specbatch:request_success_total{finished_reason="abort"}'] >= 1
 
 
 def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
@@ -406,29 +418,6 @@ def test_malformed_json_and_auth(server: ServerThread, client: Any) -> None:
     wait_pool_full(server.engine)
 
 
-def test_metrics_page(server: ServerThread, client: Any) -> None:
-    client.completions.create(model=MODEL, prompt="metrics please", max_tokens=6, temperature=0)
-    r = httpx.get(f"{server.url}/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    m = parse_metrics(r.text)
-    for name in (
-        "specbatch_num_requests_running",
-        "specbatch_num_requests_waiting",
-        "specbatch_kv_blocks_used",
-        "specbatch_generation_tokens_total",
-        "specbatch_prompt_tokens_total",
-        "specbatch_spec_decode_num_draft_tokens_total",
-        "specbatch_spec_decode_num_accepted_tokens_total",
-        "specbatch_spec_decode_acceptance_rate",
-        "specbatch_time_to_first_token_seconds_count",
-        "specbatch_time_per_output_token_seconds_count",
-    ):
-        assert name in m, name
-    assert m["specbatch_spec_decode_num_draft_tokens_total"] > 0
-    assert m["specbatch_time_to_first_token_seconds_count"] >= 1
-    assert 'specbatch_time_to_first_token_seconds_bucket{le="+Inf"}' in m
-
-
 # ---- queue limit, engine failure, no chat template ----------------------------------------------
 
 
@@ -481,7 +470,7 @@ def test_queue_full_then_engine_failure(models: tuple[Path, Path]) -> None:
         r = httpx.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 2}, timeout=30)
         assert r.status_code == 500
         assert httpx.get(f"{s.url}/v1/models").status_code == 200  # still answering
-        assert "specbatch_healthy 0" in httpx.get(f"{s.url}/metrics").text
+        assert parse_metrics(httpx.get(f"{s.url}/metrics").text)["specbatch:healthy"] == 0
 
 
 def test_chat_without_template_is_400(make_checkpoint: Callable[..., Path]) -> None:
@@ -513,3 +502,5 @@ def test_serve_cli_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "error: --port must be in [0, 65535]" in capsys.readouterr().err
     assert main(["serve", "--max-queue-len", "-1"]) == 2
     assert "error: --max-queue-len must be >= 0" in capsys.readouterr().err
+    assert main(["serve", "--shutdown-timeout", "-1"]) == 2
+    assert "error: --shutdown-timeout must be >= 0" in capsys.readouterr().err

@@ -180,11 +180,11 @@ def summarise(
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    proposed = after.get("specbatch_spec_decode_num_draft_tokens_total", 0.0) - before.get(
-        "specbatch_spec_decode_num_draft_tokens_total", 0.0
+    proposed = after.get("specbatch:spec_decode_num_draft_tokens_total", 0.0) - before.get(
+        "specbatch:spec_decode_num_draft_tokens_total", 0.0
     )
-    accepted = after.get("specbatch_spec_decode_num_accepted_tokens_total", 0.0) - before.get(
-        "specbatch_spec_decode_num_accepted_tokens_total", 0.0
+    accepted = after.get("specbatch:spec_decode_num_accepted_tokens_total", 0.0) - before.get(
+        "specbatch:spec_decode_num_accepted_tokens_total", 0.0
     )
     errors = [r.error for r in results if not r.ok]
     return {
@@ -203,7 +203,7 @@ def summarise(
         "acceptance_rate": accepted / proposed if proposed > 0 else None,
         "draft_tokens_proposed": int(proposed),
         "draft_tokens_accepted": int(accepted),
-        "kv_blocks_used_after": after.get("specbatch_kv_blocks_used"),
+        "kv_blocks_used_after": after.get("specbatch:kv_blocks_used"),
     }
 
 

@@ -11,6 +11,9 @@ client that went away) aborts its request, which returns its KV blocks to the po
 Admission: at most ``max_num_seqs + max_queue_len`` requests are unfinished at once; one more
 raises ``QueueFullError``. After a step fails the engine is dead: every request in flight gets
 the ``EngineError``, new requests are refused with it, and ``is_healthy`` is False.
+
+Shutdown (``request_shutdown``): new requests are refused at once with ``ShutdownError``; those
+in flight run on until a timeout, then each gets ``ShutdownError`` and is aborted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ TOKENIZER_THREADS = 2
 
 class QueueFullError(RuntimeError):
     """The server holds as many waiting requests as ``max_queue_len`` allows."""
+
+
+class ShutdownError(EngineError):
+    """The server is shutting down: the request was refused, or aborted at the timeout."""
 
 
 class RequestStream:
@@ -99,8 +106,11 @@ class AsyncLLMEngine:
         self._aborts_lock = threading.Lock()
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._finish_callbacks: list[Any] = []
+        self.shutting_down = False
+        self._shutdown_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def from_engine_args(
@@ -184,6 +194,8 @@ class AsyncLLMEngine:
 
     def _check_admission(self) -> None:
         self._ensure_started()
+        if self.shutting_down:
+            raise ShutdownError("the server is shutting down and accepts no new requests")
         if self.error is not None:
             raise EngineError(f"the engine has failed: {self.error}")
         if len(self._streams) >= self.max_in_flight:
@@ -211,11 +223,29 @@ class AsyncLLMEngine:
         if self._wake is not None:
             self._wake.set()
 
+    def request_shutdown(self, timeout: float) -> None:
+        """Refuse new requests from now on and abort those still in flight ``timeout`` seconds
+        from now. Safe from any thread and from a signal handler."""
+        self.shutting_down = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._arm_shutdown, timeout)
+
+    def _arm_shutdown(self, timeout: float) -> None:
+        if self._shutdown_timer is None and self._loop is not None:
+            self._shutdown_timer = self._loop.call_later(timeout, self._abort_all)
+
+    def _abort_all(self) -> None:
+        err = ShutdownError("the server shut down before the request finished")
+        for rid, stream in list(self._streams.items()):
+            self.abort(rid)
+            stream.put(err)
+
     # ---- the loop --------------------------------------------------------------------------
     def _ensure_started(self) -> None:
         if self._loop_task is None:
             self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop = asyncio.get_running_loop()
+            self._loop_task = self._loop.create_task(self._run())
 
     async def start(self) -> None:
         self._ensure_started()
@@ -265,6 +295,8 @@ class AsyncLLMEngine:
             stream.put(err)
 
     async def shutdown(self) -> None:
+        if self._shutdown_timer is not None:
+            self._shutdown_timer.cancel()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(BaseException):

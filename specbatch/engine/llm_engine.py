@@ -258,7 +258,8 @@ class LLMEngine:
         out = CompletionOutput(index, text, list(req.output_token_ids), reason, req.stop_reason)
         if req.sampling_params.logprobs is not None:
             key = ("output", req.request_id)
-            out.logprobs = self._converted(key, req.output_logprobs, req.output_token_ids)
+            texts = self.stop_checker.token_texts(req)
+            out.logprobs = self._converted(key, req.output_logprobs, req.output_token_ids, texts)
             out.cumulative_logprob = sum(e[0] for e in req.output_logprobs)
         if finished:
             self._forget(req)
@@ -267,13 +268,21 @@ class LLMEngine:
         return out
 
     def _converted(
-        self, key: tuple[str, str], entries: list[PositionLogprobs], tokens: list[int]
+        self,
+        key: tuple[str, str],
+        entries: list[PositionLogprobs],
+        tokens: list[int],
+        texts: list[str] | None = None,
     ) -> list[PositionLogprobDict]:
         """``entries`` (of ``tokens``) in vLLM's shape, converting only the ones not converted
-        at an earlier step under ``key``."""
+        at an earlier step under ``key``; ``texts``: each token's share of the text, for the
+        chosen tokens (a token alone may decode to half a character)."""
         done = self._logprobs.setdefault(key, [])
         n = len(done)
         done.extend(logprob_dicts(entries[n:], tokens[n : len(entries)], self._decoder()))
+        if texts is not None:
+            for i in range(n, len(done)):
+                done[i][tokens[i]].decoded_token = texts[i]
         return list(done)
 
     def _decoder(self) -> Any:
@@ -323,6 +332,14 @@ class LLMEngine:
         )
 
     # ---- introspection ---------------------------------------------------------------------
+    def num_requests(self) -> tuple[int, int]:
+        """Requests running (a completion in the batch) and waiting, ``n > 1`` counted once.
+        Reads copies of the scheduler's collections: safe from another thread."""
+        group = self._group_of
+        running = {group.get(r.request_id, r.request_id) for r in list(self.scheduler.running)}
+        unfinished = {group.get(rid, rid) for rid in list(self.scheduler.requests)}
+        return len(running), len(unfinished - running)
+
     @property
     def num_free_kv_blocks(self) -> int:
         return self.kv_cache.num_free_blocks

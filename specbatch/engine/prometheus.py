@@ -1,214 +1,185 @@
-"""The server's ``/metrics`` page in the Prometheus text exposition format (version 0.0.4).
+"""The server's ``/metrics`` page, through ``prometheus_client``.
 
-Gauges and counters are read from the engine when the page is rendered; the latency histograms
-are fed by ``ServerMetrics.observe`` once per finished request.
+Metrics are named as vLLM names them (``vllm:num_requests_running`` is
+``specbatch:num_requests_running``), with the same ``model_name`` label, so a vLLM dashboard
+needs only its prefix changed. Each server has a registry of its own. Engine state is read when
+the page is scraped; the latency histograms are observed once per finished request.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+import collections
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from specbatch.outputs import RequestOutput
 
-PREFIX = "specbatch"
+if TYPE_CHECKING:
+    from specbatch.engine.async_engine import AsyncLLMEngine
+
+PREFIX = "specbatch:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def _fmt(v: float | int) -> str:
-    if isinstance(v, bool):
-        return str(int(v))
-    if isinstance(v, int):
-        return str(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v))
-
-
-class Histogram:
-    """A cumulative-bucket histogram (``le`` upper bounds, plus +Inf)."""
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self.name, self.help = name, help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_fmt(float(bound))}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
-
-
 class ServerMetrics:
-    def __init__(self) -> None:
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
+    """The metrics of one server over ``engine``, served as ``model_name``."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.finished: collections.Counter[str] = collections.Counter()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=self.registry, buckets=buckets)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "Time from a request's arrival in the engine to its first output token.",
             TTFT_BUCKETS,
-        )
-        self.tpot = Histogram(
-            f"{PREFIX}_time_per_output_token_seconds",
+        ).labels(model_name)
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
             TPOT_BUCKETS,
-        )
-        self.e2e = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds",
+        ).labels(model_name)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
             "Time from a request's arrival in the engine to its end.",
             E2E_BUCKETS,
+        ).labels(model_name)
+        self.http_errors = Counter(
+            PREFIX + "http_errors",
+            "Error responses by status code.",
+            [*labels, "status"],
+            registry=self.registry,
         )
-        self.finished: Counter[str] = Counter()
-        self.http_errors: Counter[int] = Counter()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, self))
 
     def observe(self, out: RequestOutput) -> None:
         """Record a finished request."""
         m = out.metrics
         self.finished[out.outputs[0].finish_reason or "unknown"] += 1
-        if m.time_to_first_token is not None:
-            self.ttft.observe(m.time_to_first_token)
-        if m.time_per_output_token is not None:
-            self.tpot.observe(m.time_per_output_token)
-        if m.e2e_latency is not None:
-            self.e2e.observe(m.e2e_latency)
+        for hist, value in (
+            (self.ttft, m.time_to_first_token),
+            (self.tpot, m.time_per_output_token),
+            (self.e2e, m.e2e_latency),
+        ):
+            if value is not None:
+                hist.observe(value)
 
-    def render(self, engine: Any, healthy: bool, aborted: int = 0) -> str:
-        """The whole page; ``engine`` is the ``LLMEngine`` (only read: plain ints, no lock);
-        ``aborted`` counts requests aborted in flight (the engine reports no output for them)."""
-        lines: list[str] = []
+    def http_error(self, status: int) -> None:
+        self.http_errors.labels(self.model_name, str(status)).inc()
 
-        def metric(name: str, kind: str, help_text: str, value: float | int) -> None:
-            full = f"{PREFIX}_{name}"
-            lines.extend((f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"))
-            lines.append(f"{full} {_fmt(value)}")
+    content_type = CONTENT_TYPE_LATEST
 
-        sched, m = engine.scheduler, engine.metrics
-        spec = m.spec
-        total = engine.num_kv_blocks
-        metric("healthy", "gauge", "1 while the engine can serve requests.", int(healthy))
-        metric("num_requests_running", "gauge", "Requests in the running batch.", sched.num_running)
-        metric(
-            "num_requests_waiting", "gauge", "Requests waiting to be scheduled.", sched.num_waiting
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine at each scrape (plain ints, no lock)."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+
+    def collect(self) -> Iterator[Metric]:
+        e, model = self.engine.engine, self.metrics.model_name
+        m, spec = e.metrics, e.metrics.spec
+        running, waiting = e.num_requests()
+        n_run, n_all = len(e.scheduler.running), len(e.scheduler.requests)
+        total, used = e.num_kv_blocks, e.num_kv_blocks - e.num_free_kv_blocks
+        nan, usage = float("nan"), used / total if total else 0.0
+        rate = nan if spec.acceptance_rate is None else spec.acceptance_rate
+        alpha = nan if spec.alpha is None else spec.alpha
+        gauges = (
+            ("healthy", "1 while the engine can serve requests.", self.engine.is_healthy),
+            ("num_requests_running", "Requests in the batch (n > 1 counted once).", running),
+            ("num_requests_waiting", "Requests waiting (n > 1 counted once).", waiting),
+            ("num_completions_running", "Completions (n per request) in the batch.", n_run),
+            ("num_completions_waiting", "Completions (n per request) waiting.", n_all - n_run),
+            ("kv_blocks_total", "KV-cache blocks in the pool.", total),
+            ("kv_blocks_used", "KV-cache blocks in use.", used),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage),
+            ("spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens.", rate),
+            ("spec_decode_alpha", "Accepted / (accepted + rejections) draft tokens.", alpha),
         )
-        metric("kv_blocks_total", "gauge", "KV-cache blocks in the pool.", total)
-        metric(
-            "kv_blocks_used", "gauge", "KV-cache blocks in use.", total - engine.num_free_kv_blocks
+        counters = (
+            ("prompt_tokens", "Prompt tokens processed.", m.num_prompt_tokens),
+            ("generation_tokens", "Output tokens generated.", m.num_generated_tokens),
+            ("num_preemptions", "Requests preempted.", m.num_preemptions),
+            ("engine_steps", "Engine steps.", m.num_steps),
+            ("spec_decode_num_drafts", "Verification rounds with a draft token.", spec.rounds),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.proposed),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted),
+            ("spec_decode_num_rejections", "Rounds that stopped at a rejection.", spec.rejections),
+            ("spec_decode_num_emitted_tokens", "Tokens emitted by drafting rounds.", spec.emitted),
         )
-        metric(
-            "kv_cache_usage_ratio",
-            "gauge",
-            "Fraction of KV-cache blocks in use.",
-            (total - engine.num_free_kv_blocks) / total if total else 0.0,
-        )
-        metric("prompt_tokens_total", "counter", "Prompt tokens processed.", m.num_prompt_tokens)
-        metric(
-            "generation_tokens_total", "counter", "Output tokens generated.", m.num_generated_tokens
-        )
-        metric("num_preemptions_total", "counter", "Requests preempted.", m.num_preemptions)
-        metric("engine_steps_total", "counter", "Engine steps.", m.num_steps)
-        metric(
-            "spec_decode_num_rounds_total",
-            "counter",
-            "Verification rounds with at least one draft token.",
-            spec.rounds,
-        )
-        metric(
-            "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", spec.proposed
-        )
-        metric(
-            "spec_decode_num_accepted_tokens_total",
-            "counter",
-            "Draft tokens accepted.",
-            spec.accepted,
-        )
-        metric(
-            "spec_decode_num_rejections_total",
-            "counter",
-            "Rounds that stopped at a rejected draft token.",
-            spec.rejections,
-        )
-        metric(
-            "spec_decode_num_emitted_tokens_total",
-            "counter",
-            "Tokens emitted by speculative rounds (accepted + one per round).",
-            spec.emitted,
-        )
-        rate = spec.acceptance_rate
-        metric(
-            "spec_decode_acceptance_rate",
-            "gauge",
-            "Accepted / proposed draft tokens since start (NaN before any round).",
-            float("nan") if rate is None else rate,
-        )
-        alpha = spec.alpha
-        metric(
-            "spec_decode_alpha",
-            "gauge",
-            "Per-tested-draft acceptance probability: accepted / (accepted + rejections).",
-            float("nan") if alpha is None else alpha,
-        )
-        if engine.config.adaptive_speculation:  # the draft lengths granted, 0 included
+        for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in rows:
+                family = kind(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric([model], float(value))
+                yield family
+        finished = self.metrics.finished + collections.Counter({"abort": self.engine.num_aborted})
+        for name, doc, label, values in (
+            (
+                "spec_decode_num_accepted_tokens_per_pos",
+                "Rounds accepting the draft token at this position (from 0).",
+                "position",
+                dict(enumerate(spec.accepted_by_position)),
+            ),
+            (
+                "request_success",
+                "Finished requests by finish reason.",
+                "finished_reason",
+                {r: finished[r] for r in sorted({"stop", "length", "abort", *finished})},
+            ),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+            for key, value in values.items():
+                family.add_metric([model, str(key)], value)
+            yield family
+        if e.config.adaptive_speculation:  # the draft lengths granted, 0 included
             counts = m.draft_length_counts
-            name = f"{PREFIX}_spec_decode_draft_length"
-            lines.append(
-                f"# HELP {name} Draft length granted to a decoding request per step "
-                "(num_speculative_tokens=auto)."
+            lengths = range(e.scheduler.policy.shape.nodes + 1)
+            buckets = [(str(k), sum(counts.get(j, 0) for j in range(k + 1))) for k in lengths]
+            family = HistogramMetricFamily(
+                PREFIX + "spec_decode_draft_length",
+                "Draft length granted to a decoding request per step (auto).",
+                labels=["model_name"],
             )
-            lines.append(f"# TYPE {name} histogram")
-            cumulative = 0
-            for k in range(sched.policy.shape.depth + 1):
-                cumulative += counts.get(k, 0)
-                lines.append(f'{name}_bucket{{le="{k}"}} {cumulative}')
-            lines.append(f'{name}_bucket{{le="+Inf"}} {sum(counts.values())}')
-            lines.append(f"{name}_sum {sum(k * n for k, n in counts.items())}")
-            lines.append(f"{name}_count {sum(counts.values())}")
-        name = f"{PREFIX}_request_success_total"
-        lines.extend(
-            (f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter")
-        )
-        finished = self.finished + Counter({"abort": aborted})
-        for reason in sorted({"stop", "length", "abort", *finished}):
-            lines.append(f'{name}{{finished_reason="{reason}"}} {finished[reason]}')
-        name = f"{PREFIX}_http_errors_total"
-        lines.extend((f"# HELP {name} Error responses by status code.", f"# TYPE {name} counter"))
-        for code in sorted(self.http_errors):
-            lines.append(f'{name}{{status="{code}"}} {self.http_errors[code]}')
-        for hist in (self.ttft, self.tpot, self.e2e):
-            lines.extend(hist.render())
-        return "\n".join(lines) + "\n"
+            family.add_metric(
+                [model],
+                [*buckets, ("+Inf", sum(counts.values()))],
+                sum(k * n for k, n in counts.items()),
+            )
+            yield family
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name (with its labels, as written) to value, from a Prometheus text page."""
+    """Sample name to value, from a Prometheus text page; labels other than ``model_name``
+    are kept in the name as written (``name{label="value"}``)."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            values[name] = float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items() if k != "model_name")
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return values

@@ -1,23 +1,42 @@
-"""The OpenAI API's wire format: request bodies checked field by field, errors, SSE chunks."""
+"""The OpenAI API's request bodies as pydantic models, and its error shape.
+
+The sampling fields are ``SamplingParams``' own (names, types, defaults), and their limits are
+``SamplingParams``' checks, run on each field as it is parsed so that an error names the field
+as the client wrote it. Types are strict (``"5"`` is not an integer). Unknown fields are
+accepted (the server logs each name once); fields this server does not implement are accepted
+only at their neutral values.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import dataclasses
+import functools
 import json
+import operator
 import re
-from collections.abc import Callable
-from typing import Any
+import typing
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
-from fastapi.responses import StreamingResponse
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    create_model,
+)
+from pydantic_core import PydanticCustomError
 
-from specbatch.chat import check_messages
+from specbatch.chat import ROLES
 from specbatch.errors import InvalidInputError
-from specbatch.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
-from specbatch.sampling_params import MAX_LOGPROBS, SamplingParams
+from specbatch.sampling_params import SamplingParams
 
 DEFAULT_MODEL_NAME = "specbatch-default"
-_FIELD_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*)(?=[ :])")
+_SAMPLING_ERROR = "sampling_value"  # an error whose message already names the field
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -25,13 +44,8 @@ class ApiError(Exception):
         self, status: int, message: str, kind: str, param: str | None = None, code: Any = None
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = (
-            status,
-            message,
-            kind,
-            param,
-            code,
-        )
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code = param, code
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -42,126 +56,227 @@ def error_body(e: ApiError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
 
 
-# ---- request parsing -------------------------------------------------------------------------
-
-_MISSING = object()
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _short(value: Any) -> str:
+    try:
+        return json.dumps(value)[:80]
+    except (TypeError, ValueError, RecursionError):
+        return type(value).__name__
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def validation_error(errors: Sequence[Any]) -> ApiError:
+    """A 400 from pydantic's first error, ``param`` the top-level field as the client wrote it."""
+    err = errors[0]
+    loc = list(err["loc"])
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if err["type"] == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {err['ctx']['error']}")
+    if not loc:
+        return bad_request(
+            "the request body must be a JSON object (content-type: application/json)"
+        )
+    if err["type"] == _SAMPLING_ERROR:
+        return bad_request(err["msg"], str(loc[0]))
+    path = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
+    return bad_request(f"{path}: {err['msg']}{got}", str(loc[0]))
 
 
-def typed_field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
-    """``body[name]`` checked against ``kind`` (int, number, bool, str, str_list, int_list);
-    null means the default."""
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    ok = {
-        "int": _is_int(v),
-        "number": _is_num(v),
-        "bool": isinstance(v, bool),
-        "str": isinstance(v, str),
-        "object": isinstance(v, dict),
-        "stop": isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-        "int_list": isinstance(v, list) and all(_is_int(t) for t in v),
-    }[kind]
-    if not ok:
-        what = {
-            "int": "an integer",
-            "number": "a number",
-            "bool": "a boolean",
-            "str": "a string",
-            "object": "an object",
-            "stop": "a string or a list of strings",
-            "int_list": "a list of integers",
-        }[kind]
-        raise bad_request(f"{name} must be {what}, got {json.dumps(v)[:80]}", name)
-    return v
+# ---- field types ------------------------------------------------------------------------------
 
 
-# Fields this server does not implement, each with the test of the values that mean "off",
-# which are accepted whatever their JSON type (0 and 0.0 alike): clients send the defaults.
-_NEUTRAL: dict[str, tuple[str, Any]] = {
-    "best_of": ("1", lambda v: _is_num(v) and v == 1),
-    "suffix": ('""', lambda v: v == ""),
-    "logit_bias": ("{}", lambda v: v == {}),
-}
+def _unicode(value: str) -> str:
+    """Refuse a lone surrogate (JSON's ``"\\ud800"``): no tokenizer can encode it."""
+    if not value.isascii() and (m := _SURROGATE.search(value)):
+        raise PydanticCustomError(
+            "unicode",
+            "must be valid Unicode text: lone surrogate U+{code} at character {at}",
+            {"code": f"{ord(m.group()):04X}", "at": m.start()},
+        )
+    return value
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    for name, (neutral, is_neutral) in _NEUTRAL.items():
-        v = body.get(name)
-        if v is not None and not is_neutral(v):
-            raise bad_request(
-                f"{name}: not supported by this server; only {neutral} (off) is accepted, "
-                f"got {json.dumps(v)[:80]}",
-                name,
-            )
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
-def sampling_params_from(
-    body: dict[str, Any],
-    max_tokens_names: tuple[str, ...],
-    default_max_tokens: int | None,
-    logprobs: int | None = None,
-) -> SamplingParams:
-    """``SamplingParams`` from an OpenAI request body (plus vLLM's extra fields); ``logprobs``
-    as the endpoint reads it from its own fields."""
-    _reject_unsupported(body)
-    max_tokens = default_max_tokens
-    for name in max_tokens_names:
-        v = typed_field(body, name, "int")
-        if v is not None:
-            max_tokens = v
-    kwargs: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": typed_field(body, "temperature", "number", 1.0),
-        "top_p": typed_field(body, "top_p", "number", 1.0),
-        "top_k": typed_field(body, "top_k", "int", 0),
-        "min_p": typed_field(body, "min_p", "number", 0.0),
-        "seed": typed_field(body, "seed", "int"),
-        "stop": typed_field(body, "stop", "stop"),
-        "stop_token_ids": typed_field(body, "stop_token_ids", "int_list"),
-        "ignore_eos": typed_field(body, "ignore_eos", "bool", False),
-        "include_stop_str_in_output": typed_field(
-            body, "include_stop_str_in_output", "bool", False
-        ),
-        "skip_special_tokens": typed_field(body, "skip_special_tokens", "bool", True),
-        "n": typed_field(body, "n", "int", 1),
-        "presence_penalty": typed_field(body, "presence_penalty", "number", 0.0),
-        "frequency_penalty": typed_field(body, "frequency_penalty", "number", 0.0),
-        "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
-        "min_tokens": typed_field(body, "min_tokens", "int", 0),
-        "logprobs": logprobs,
-        "prompt_logprobs": typed_field(body, "prompt_logprobs", "int"),
+def _one_of(expected: str) -> WrapValidator:
+    """One error for a union (``must be EXPECTED``) instead of one per member; a text error
+    inside a member is kept."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as e:
+            for err in e.errors():
+                if err["type"] == "unicode":
+                    raise PydanticCustomError("unicode", err["msg"]) from None
+            raise PydanticCustomError(
+                "type", "must be {expected}", {"expected": expected}
+            ) from None
+
+    return WrapValidator(validate)
+
+
+_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers")}
+
+
+def _name(t: Any) -> str:
+    if typing.get_origin(t) is list:
+        return f"a list of {_NAMES[typing.get_args(t)[0]][1]}"
+    return _NAMES[t][0]
+
+
+def _wire(hint: Any) -> Any:
+    """A ``SamplingParams`` field's type as the request takes it: text checked, unions with
+    one clear message."""
+    if hint is str:
+        return Text
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is list:
+        return list[_wire(args[0])]
+    members = [a for a in args if a is not type(None)]
+    if len(members) < 2:
+        return _wire(members[0]) | None if members else hint
+    wired = functools.reduce(operator.or_, (_wire(m) for m in members))
+    return Annotated[wired, _one_of(" or ".join(_name(m) for m in members))] | None
+
+
+def _checked(name: str, wire: str | None = None) -> AfterValidator:
+    """``SamplingParams``' own check of field ``name`` alone (read from JSON key ``wire``)."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        try:
+            SamplingParams(**{"max_tokens": None, name: value})
+        except InvalidInputError as e:
+            message = str(e)
+            if wire and message.startswith(name):
+                message = wire + message[len(name) :]
+            raise PydanticCustomError(_SAMPLING_ERROR, "{message}", {"message": message}) from None
+        return value
+
+    return AfterValidator(check)
+
+
+def _sampling_fields() -> dict[str, Any]:
+    hints = typing.get_type_hints(SamplingParams)
+    return {
+        f.name: (Annotated[_wire(hints[f.name]) | None, _checked(f.name)], f.default)
+        for f in dataclasses.fields(SamplingParams)
+        if f.init
     }
-    return SamplingParams(**kwargs)
 
 
-def completion_logprobs(body: dict[str, Any]) -> tuple[int | None, bool]:
-    """The completions endpoint's ``logprobs`` (top alternatives per token) and ``echo``."""
-    return typed_field(body, "logprobs", "int"), typed_field(body, "echo", "bool", False)
+_SAMPLING = _sampling_fields()
+SAMPLING_FIELDS = tuple(_SAMPLING)
 
 
-def chat_logprobs(body: dict[str, Any]) -> int | None:
-    """The chat endpoint's ``logprobs`` (a flag) with ``top_logprobs`` (how many)."""
-    wanted = typed_field(body, "logprobs", "bool", False)
-    top = typed_field(body, "top_logprobs", "int")
-    if top is not None and not wanted:
-        raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
-    return (top or 0) if wanted else None
+def _neutral(accepted: str, is_neutral: Callable[[Any], bool]) -> Any:
+    """A field this server does not implement: only null or its neutral value passes."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not is_neutral(value):
+            raise PydanticCustomError(
+                "unsupported",
+                "not supported by this server; only {accepted} is accepted",
+                {"accepted": accepted},
+            )
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
 
 
-def requested_max_tokens(body: dict[str, Any], names: tuple[str, ...]) -> tuple[str, int] | None:
-    """The field and value of the client's own output limit (the last of ``names`` given)."""
-    given = [(n, body[n]) for n in names if _is_int(body.get(n))]
+def _is_number(value: Any, target: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == target
+
+
+LogitBias = _neutral("{} (off)", lambda v: v == {})
+BestOf = _neutral("1", lambda v: _is_number(v, 1))
+Suffix = _neutral('""', lambda v: v == "")
+NoTools = _neutral("null (no tool calling)", lambda v: False)
+ToolChoice = _neutral('"none"', lambda v: v == "none")
+ResponseFormat = _neutral('{"type": "text"}', lambda v: v == {"type": "text"})
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What both endpoints take besides the sampling fields."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: LogitBias = None
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The sampling fields the client gave (null means the default)."""
+        return {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
+
+
+_Sampling = create_model("_Sampling", __base__=_Request, **_SAMPLING)
+
+Prompt = Annotated[
+    Text | list[int] | list[Text] | list[list[int]],
+    _one_of("a string, a list of token ids, or a list holding one of those"),
+]
+
+
+class CompletionRequest(_Sampling):  # type: ignore[misc, valid-type]
+    """``POST /v1/completions``: OpenAI's fields, vLLM's sampling extras."""
+
+    prompt: Prompt
+    echo: bool = False
+    best_of: BestOf = None
+    suffix: Suffix = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: Annotated[
+        Text | list[TextPart],
+        _one_of('a string or a list of text parts ({"type": "text", "text": ...})'),
+    ]
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):  # type: ignore[misc, valid-type]
+    """``POST /v1/chat/completions``: ``logprobs`` is a flag and ``top_logprobs`` the number of
+    alternatives; ``max_tokens`` or ``max_completion_tokens`` (default: up to the context)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int | None, _checked("max_tokens")] = None
+    max_completion_tokens: Annotated[
+        int | None, _checked("max_tokens", "max_completion_tokens")
+    ] = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int | None, _checked("logprobs", "top_logprobs")] = None
+    tools: NoTools = None
+    tool_choice: ToolChoice = None
+    functions: NoTools = None
+    function_call: ToolChoice = None
+    response_format: ResponseFormat = None
+
+
+def requested_max_tokens(body: BaseModel, names: tuple[str, ...]) -> tuple[str, int] | None:
+    """The JSON key and value of the client's own output limit (the last of ``names`` given)."""
+    given = [(k, getattr(body, k)) for k in names if k in body.model_fields_set]
+    given = [(k, v) for k, v in given if v is not None]
     return given[-1] if given else None
 
 
@@ -183,147 +298,31 @@ def check_context_room(
         )
 
 
-def field_of(message: str) -> str | None:
-    m = _FIELD_RE.match(message)
-    return m.group(1) if m else None
-
-
-def completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("prompt is required", "prompt")
-    p = body["prompt"]
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) != 1:
-            raise bad_request(
-                f"prompt: one prompt per request is supported, got {len(p)}", "prompt"
-            )
-        p = p[0]
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and all(_is_int(t) for t in p):
-        return p
-    raise bad_request(
-        "prompt must be a string, a list of token ids, or a list holding one of those", "prompt"
-    )
-
-
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams`` of fields each already checked alone: what fails here is a relation
+    between fields, named by the field its message starts with."""
     try:
-        return check_messages(body.get("messages"))
+        return SamplingParams(**values)
     except InvalidInputError as e:
-        raise bad_request(str(e), "messages") from None
+        param = next((k for k in values if str(e).startswith((f"{k} ", f"{k}:"))), None)
+        raise bad_request(str(e), param) from None
 
 
-# ---- responses --------------------------------------------------------------------------------
+def one_prompt(prompt: Any) -> str | list[int]:
+    """The request's prompt: a string or token ids, alone or as a list of one."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt"
+            )
+        return prompt[0]
+    return prompt
 
 
-def usage_of(out: RequestOutput) -> dict[str, int]:
-    n_prompt = len(out.prompt_token_ids)
-    n_out = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def finish_reason_of(c: CompletionOutput) -> str | None:
-    return None if c.finish_reason == "abort" else c.finish_reason
-
-
-def _token_text(lp: Logprob, token_id: int) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
-
-
-def _top(entry: PositionLogprobDict, k: int) -> list[tuple[int, Logprob]]:
-    return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
-
-
-def legacy_logprobs(
-    entries: list[PositionLogprobDict | None],
-    token_ids: list[int],
-    top: int,
-    decode: Callable[[list[int]], str],
-) -> dict[str, Any]:
-    """The completions endpoint's logprobs object for these positions, ``top`` alternatives
-    each (None: the prompt's first token, which has no logprob; ``decode`` gives its text)."""
-    offset = 0
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for entry, tid in zip(entries, token_ids, strict=True):
-        text = _token_text(entry[tid], tid) if entry else decode([tid])
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        if entry is None:
-            token_lps.append(None)
-            tops.append(None)
-            continue
-        token_lps.append(entry[tid].logprob)
-        tops.append({_token_text(v, t): v.logprob for t, v in _top(entry, top)})
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_lps,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs_content(
-    entries: list[PositionLogprobDict], token_ids: list[int], top: int
-) -> list[dict[str, Any]]:
-    """The chat endpoint's ``logprobs.content`` for these positions."""
-
-    def item(lp: Logprob, tid: int) -> dict[str, Any]:
-        text = _token_text(lp, tid)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    out = []
-    for entry, tid in zip(entries, token_ids, strict=True):
-        alternatives = [item(v, t) for t, v in _top(entry, top)]
-        out.append({**item(entry[tid], tid), "top_logprobs": alternatives})
-    return out
-
-
-class TextDelta:
-    """Text deltas of one completion: never streams a (partial) stop string, flushes at finish."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.sent = ""
-        self.tokens_sent = 0
-        self.done = False
-        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
-
-    def next(self, c: CompletionOutput) -> str:
-        text = c.text
-        if c.finish_reason is None:
-            text = text[: len(text) - self.hold] if self.hold else text
-            text = text.rstrip("\ufffd")  # an incomplete character: wait for its other bytes
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
-
-
-def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class EventStream(StreamingResponse):
-    """A streaming response that notices a client that went away even while no event is due,
-    and always closes its body iterator (whose ``finally`` aborts the request)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        streamer = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streamer, watcher):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, OSError, Exception):
-                    await task
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
-# ---- the app ----------------------------------------------------------------------------------
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    for t in params.stop_token_ids or []:
+        if t >= vocab_size:
+            raise bad_request(
+                f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab_size})",
+                "stop_token_ids",
+            )

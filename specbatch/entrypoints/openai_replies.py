@@ -1,11 +1,13 @@
 """How a request's output reaches the HTTP client: whole, once it has finished (``collect``),
-or as server-sent events while it is generated (``sse_response``). Either way a request whose
-client goes away is aborted, so its KV blocks go back to the pool."""
+or as server-sent events while it is generated (``sse_response``), with the OpenAI API's
+logprobs and usage objects. Either way a request whose client goes away is aborted, so its KV
+blocks go back to the pool."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,18 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from specbatch.engine.async_engine import RequestStream
-from specbatch.entrypoints.openai_protocol import (
-    ApiError,
-    EventStream,
-    TextDelta,
-    error_body,
-    finish_reason_of,
-    sse_event,
-    usage_of,
-)
+from specbatch.engine.async_engine import RequestStream, ShutdownError
+from specbatch.entrypoints.openai_protocol import ApiError, error_body
 from specbatch.errors import EngineError
-from specbatch.outputs import CompletionOutput, RequestOutput
+from specbatch.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
 from specbatch.sampling_params import SamplingParams
 
 # a chunk of the stream for one choice, from (the text delta, the finish reason or None, the
@@ -34,12 +28,123 @@ MakeChunk = Callable[[str, str | None, RequestOutput, CompletionOutput, int], di
 
 @dataclass(frozen=True)
 class ReplyIds:
-    """What every chunk of one streamed reply carries."""
+    """What every reply, and every chunk of a streamed one, carries."""
 
     id: str
     created: int
-    object: str  # "text_completion" or "chat.completion.chunk"
+    object: str  # "text_completion", "chat.completion" or "chat.completion.chunk"
     model: str
+
+    def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+def engine_error(e: EngineError) -> ApiError:
+    if isinstance(e, ShutdownError):
+        return ApiError(503, str(e), "server_error", code="server_shutting_down")
+    return ApiError(500, f"engine failure: {e}", "server_error")
+
+
+# ---- pieces of a reply ------------------------------------------------------------------------
+
+
+def usage_of(out: RequestOutput) -> dict[str, int]:
+    n_prompt = len(out.prompt_token_ids)
+    n_out = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def finish_reason_of(c: CompletionOutput) -> str | None:
+    return None if c.finish_reason == "abort" else c.finish_reason
+
+
+def _token_text(lp: Logprob, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _top(entry: PositionLogprobDict, k: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+def legacy_logprobs(
+    entries: list[PositionLogprobDict | None],
+    token_ids: list[int],
+    top: int,
+    texts: list[str | None],
+) -> dict[str, Any]:
+    """The completions endpoint's logprobs object for these positions: ``top`` alternatives
+    each, and the sampled token when it is not among them (None: the prompt's first token,
+    which has no logprob). ``texts``: a token's text where it is not its entry's."""
+    offset = 0
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entry, tid, given in zip(entries, token_ids, texts, strict=True):
+        text = given if given is not None else _token_text(entry[tid], tid) if entry else ""
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(entry[tid].logprob)
+        alternatives = {_token_text(v, t): v.logprob for t, v in _top(entry, top) if t != tid}
+        tops.append({**alternatives, text: entry[tid].logprob})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs_content(
+    entries: list[PositionLogprobDict], token_ids: list[int], top: int
+) -> list[dict[str, Any]]:
+    """The chat endpoint's ``logprobs.content`` for these positions."""
+
+    def item(lp: Logprob, tid: int) -> dict[str, Any]:
+        text = _token_text(lp, tid)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    out = []
+    for entry, tid in zip(entries, token_ids, strict=True):
+        alternatives = [item(v, t) for t, v in _top(entry, top)]
+        out.append({**item(entry[tid], tid), "top_logprobs": alternatives})
+    return out
+
+
+class TextDelta:
+    """Text deltas of one completion: never streams a (partial) stop string, flushes at finish."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.sent = ""
+        self.tokens_sent = 0
+        self.done = False
+        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    def next(self, c: CompletionOutput) -> str:
+        text = c.text
+        if c.finish_reason is None:
+            text = text[: len(text) - self.hold] if self.hold else text
+            text = text.rstrip("\ufffd")  # an incomplete character: wait for its other bytes
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+def sse_event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---- whole or streamed ------------------------------------------------------------------------
 
 
 async def collect(stream: RequestStream, request: Request) -> RequestOutput:
@@ -57,10 +162,32 @@ async def collect(stream: RequestStream, request: Request) -> RequestOutput:
                 raise ApiError(499, "client disconnected", "client_closed_request")
         return task.result()
     except EngineError as e:
-        raise ApiError(500, f"engine failure: {e}", "server_error") from None
+        raise engine_error(e) from None
     finally:
         if not task.done():
             task.cancel()
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that notices a client that went away even while no event is due,
+    and always closes its body iterator (whose ``finally`` aborts the request)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError, Exception):
+                    await task
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
 def sse_response(
@@ -72,12 +199,12 @@ def sse_response(
     first: list[dict[str, Any]],
     include_usage: bool,
     abort: Callable[[str], None],
-    on_engine_error: Callable[[], None],
+    on_error: Callable[[int], None],
 ) -> StreamingResponse:
     """The ``first`` chunks, then one ``data: {chunk}`` event per choice and engine output
     that added text or finished it, a usage chunk when asked for, then ``data: [DONE]``. An
-    engine failure after the headers went out is reported in-band, as OpenAI does; a stream
-    left unfinished (the client went away) is aborted with ``abort(request_id)``."""
+    engine failure or a shutdown after the headers went out is reported in-band, as OpenAI
+    does; a stream left unfinished (the client went away) is aborted with ``abort(request_id)``."""
 
     async def events() -> AsyncIterator[str]:
         deltas = [TextDelta(params) for _ in range(params.n)]
@@ -98,20 +225,12 @@ def sse_response(
                         reason = finish_reason_of(c) if delta.done else None
                         yield sse_event(make_chunk(text, reason, out, c, start))
             if include_usage and last is not None:
-                yield sse_event(
-                    {
-                        "id": ids.id,
-                        "object": ids.object,
-                        "created": ids.created,
-                        "model": ids.model,
-                        "choices": [],
-                        "usage": usage_of(last),
-                    }
-                )
+                yield sse_event(ids.wrap([], usage=usage_of(last)))
             yield "data: [DONE]\n\n"
         except EngineError as e:
-            on_engine_error()
-            yield sse_event(error_body(ApiError(500, f"engine failure: {e}", "server_error")))
+            err = engine_error(e)
+            on_error(err.status)
+            yield sse_event(error_body(err))
             yield "data: [DONE]\n\n"
         finally:
             if not stream.finished:

@@ -1,29 +1,31 @@
 """An OpenAI-compatible HTTP server over ``AsyncLLMEngine`` (FastAPI).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the tokenizer has a
-chat template), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI-shaped
-(``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 401 missing or wrong API
-key (``/v1/*`` only), 503 full queue, 500 engine failure. Streams are server-sent events, one
-``data: {chunk}`` per engine output that added text, ending with ``data: [DONE]``.
+chat template), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and FastAPI's ``/docs``
+and ``/openapi.json``. Errors are OpenAI-shaped (``{"error": {"message", "type", "param",
+"code"}}``): 400 bad input, 401 missing or wrong API key (``/v1/*`` only), 503 full queue or
+shutting down, 500 engine failure. Streams are server-sent events, one ``data: {chunk}`` per
+engine output that added text, ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hmac
-import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specbatch.chat import render_chat
+from specbatch.chat import check_messages, render_chat
 from specbatch.config import EngineArgs
+from specbatch.detokenizer import token_texts
 from specbatch.engine.async_engine import (
     DEFAULT_MAX_QUEUE_LEN,
     AsyncLLMEngine,
@@ -34,40 +36,44 @@ from specbatch.engine.prometheus import ServerMetrics
 from specbatch.entrypoints.openai_protocol import (
     DEFAULT_MODEL_NAME,
     ApiError,
+    ChatRequest,
+    CompletionRequest,
     bad_request,
-    chat_logprobs,
-    chat_logprobs_content,
-    chat_messages,
     check_context_room,
-    completion_logprobs,
-    completion_prompt,
+    check_stop_token_ids,
     error_body,
-    field_of,
+    one_prompt,
+    requested_max_tokens,
+    sampling_params,
+    validation_error,
+)
+from specbatch.entrypoints.openai_replies import (
+    MakeChunk,
+    ReplyIds,
+    chat_logprobs_content,
+    collect,
+    engine_error,
     finish_reason_of,
     legacy_logprobs,
-    requested_max_tokens,
-    sampling_params_from,
-    typed_field,
+    sse_response,
     usage_of,
 )
-from specbatch.entrypoints.openai_replies import MakeChunk, ReplyIds, collect, sse_response
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.outputs import CompletionOutput, RequestOutput
 from specbatch.sampling_params import SamplingParams
 
+logger = logging.getLogger("specbatch.server")
+MAX_UNKNOWN_FIELDS = 256  # names remembered (and logged) at most
+
 
 class OpenAIServer:
-    def __init__(
-        self,
-        engine: AsyncLLMEngine,
-        model_name: str,
-        api_key: str | None = None,
-    ) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
+        self.unknown_fields: set[str] = set()
         engine.on_finish(self.metrics.observe)
 
     # -- helpers --
@@ -86,24 +92,24 @@ class OpenAIServer:
                 code="invalid_api_key",
             )
 
-    async def json_body(self, request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
+    def check_body(self, body: CompletionRequest | ChatRequest) -> None:
+        """What the models alone cannot check: the model's name, ``stream_options`` without
+        ``stream``; unknown fields are logged, once per name."""
+        if body.model is not None and body.model != self.model_name:
             raise ApiError(
                 400,
-                f"model: unknown model {json.dumps(model)[:80]}; this server serves "
+                f"model: unknown model {body.model[:80]!r}; this server serves "
                 f"'{self.model_name}' (see GET /v1/models)",
                 "invalid_request_error",
                 "model",
                 "model_not_found",
             )
-        return body
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        room = MAX_UNKNOWN_FIELDS - len(self.unknown_fields)
+        for name in sorted(set(body.model_extra or ()) - self.unknown_fields)[:room]:
+            self.unknown_fields.add(name)
+            logger.warning("ignoring the unknown request field %r (logged once)", name[:80])
 
     async def start(
         self,
@@ -112,104 +118,94 @@ class OpenAIServer:
         field: str,
         requested: tuple[str, int] | None,
         add_special_tokens: bool = True,
-    ) -> RequestStream:
-        """Tokenize (off the event loop), check the room left for the output, and queue."""
+    ) -> tuple[RequestStream, list[int]]:
+        """Check the request against the model, tokenize (off the event loop), check the room
+        left for the output, and queue: the request's stream and its prompt's token ids."""
+        e = self.engine.engine
+        if params.stop_strings and e.tokenizer is None:
+            raise bad_request("stop: stop strings need a tokenizer, and the model has none", "stop")
+        check_stop_token_ids(params, e.config.target.vocab_size)
         try:
             text, ids = await self.engine.prepare(prompt, params, field, add_special_tokens)
-            check_context_room(len(ids), requested, self.engine.engine.config.max_model_len)
-            return await self.engine.add_prepared(text, ids, params)
-        except InvalidInputError as e:
-            raise bad_request(str(e), field_of(str(e))) from None
-        except QueueFullError as e:
-            raise ApiError(503, str(e), "server_overloaded") from None
-        except EngineError as e:
-            raise ApiError(500, str(e), "server_error") from None
+        except InvalidInputError as err:
+            raise bad_request(str(err), field) from None
+        check_context_room(len(ids), requested, e.config.max_model_len)
+        try:
+            return await self.engine.add_prepared(text, ids, params), ids
+        except QueueFullError as err:
+            raise ApiError(503, str(err), "server_overloaded") from None
+        except EngineError as err:
+            raise engine_error(err) from None
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.engine.engine.tokenizer
+        return tok.decode(ids) if tok is not None else ""
 
     # -- completions --
-    async def completions(self, request: Request) -> Any:
-        self.check_key(request)
-        body = await self.json_body(request)
-        prompt = completion_prompt(body)
-        stream_flag, include_usage = self._stream_flags(body)
-        logprobs, echo = completion_logprobs(body)
-        try:
-            params = sampling_params_from(body, ("max_tokens",), 16, logprobs)  # OpenAI's 16
-            if echo and logprobs is not None and params.prompt_logprobs is None:
-                params = dataclasses.replace(params, prompt_logprobs=logprobs)
-        except InvalidInputError as e:
-            raise bad_request(str(e), field_of(str(e))) from None
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self.check_body(body)
+        values = body.sampling_values()
+        if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+            values["prompt_logprobs"] = body.logprobs
+        params = sampling_params(values)
         requested = requested_max_tokens(body, ("max_tokens",))
-        stream = await self.start(prompt, params, "prompt", requested)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        stream, prompt_ids = await self.start(one_prompt(body.prompt), params, "prompt", requested)
+        reply = ReplyIds(
+            f"cmpl-{uuid.uuid4().hex}", int(time.time()), "text_completion", self.model_name
+        )
+        echo, top, tok = body.echo, body.logprobs, self.engine.engine.tokenizer
+        prompt_texts: list[str | None] = [None] * len(prompt_ids)
+        if echo and top is not None and tok is not None:  # each token's share of the prompt
+            prompt_texts = await self.engine.run_on_tokenizer_threads(
+                token_texts, tok, prompt_ids, params.skip_special_tokens
+            )
 
-        def choice(index: int, text: str, finish: str | None, lps: Any) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
-                ],
-            }
-
-        def with_echo(
-            out: RequestOutput, c: CompletionOutput, start: int
-        ) -> tuple[str, dict[str, Any] | None]:
-            """The prompt (when echoed, before a choice's first tokens) and the logprobs of
-            the tokens from ``start``."""
+        def chunk(
+            text: str, finish: str | None, out: RequestOutput, c: CompletionOutput, start: int
+        ) -> dict[str, Any]:
+            """The choice's text from token ``start``, after the prompt when it is echoed
+            (before a choice's first tokens), with the logprobs of those tokens."""
             prefix, ids, entries = "", c.token_ids[start:], (c.logprobs or [])[start:]
+            texts: list[str | None] = [None] * len(ids)
             if echo and start == 0:
                 prefix = (
                     out.prompt if out.prompt is not None else self._decode(out.prompt_token_ids)
                 )
                 ids = [*out.prompt_token_ids, *ids]
                 entries = [*(out.prompt_logprobs or []), *entries]
-            if logprobs is None or c.logprobs is None:
-                return prefix, None
-            return prefix, legacy_logprobs(entries, ids, logprobs, self._decode)
+                texts = [*prompt_texts, *texts]
+            lps = None
+            if top is not None and c.logprobs is not None:
+                lps = legacy_logprobs(entries, ids, top, texts)
+            choice = {"index": c.index, "text": prefix + text, "logprobs": lps}
+            return reply.wrap([{**choice, "finish_reason": finish}])
 
-        def chunk(
-            text: str, finish: str | None, out: RequestOutput, c: CompletionOutput, start: int
-        ) -> dict[str, Any]:
-            prefix, lps = with_echo(out, c, start)
-            return choice(c.index, prefix + text, finish, lps)
-
-        if stream_flag:
-            ids = ReplyIds(rid, created, "text_completion", self.model_name)
-            return self._stream(stream, params, ids, chunk, [], include_usage)
+        if body.stream:
+            return self._stream(stream, params, reply, chunk, [], body)
         out = await collect(stream, request)
-        body_out = choice(0, "", None, None)
-        body_out["choices"] = [
-            chunk(c.text, finish_reason_of(c), out, c, 0)["choices"][0] for c in out.outputs
-        ]
-        body_out["usage"] = usage_of(out)
-        return JSONResponse(body_out)
-
-    def _decode(self, ids: list[int]) -> str:
-        tok = self.engine.engine.tokenizer
-        return tok.decode(ids) if tok is not None else ""
+        choices = [chunk(c.text, finish_reason_of(c), out, c, 0)["choices"][0] for c in out.outputs]
+        return JSONResponse(reply.wrap(choices, usage=usage_of(out)))
 
     # -- chat --
-    async def chat(self, request: Request) -> Any:
-        self.check_key(request)
-        body = await self.json_body(request)
-        messages = chat_messages(body)
-        stream_flag, include_usage = self._stream_flags(body)
-        names = ("max_tokens", "max_completion_tokens")
-        top = chat_logprobs(body)
+    async def chat(self, body: ChatRequest, request: Request) -> Any:
+        self.check_body(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        requested = requested_max_tokens(body, ("max_tokens", "max_completion_tokens"))
+        values = body.sampling_values()
+        values.update(logprobs=top, max_tokens=requested[1] if requested else None)
+        params = sampling_params(values)
         try:
-            params = sampling_params_from(body, names, None, top)
-        except InvalidInputError as e:
-            raise bad_request(str(e), field_of(str(e))) from None
-        tok = self.engine.engine.tokenizer
-        try:
-            text = await self.engine.run_on_tokenizer_threads(render_chat, tok, messages)
+            messages = check_messages([m.model_dump() for m in body.messages])
+            text = await self.engine.run_on_tokenizer_threads(
+                render_chat, self.engine.engine.tokenizer, messages
+            )
         except InvalidInputError as e:
             raise bad_request(str(e), "messages") from None
-        requested = requested_max_tokens(body, names)
-        stream = await self.start(text, params, "messages", requested, add_special_tokens=False)
+        stream, _ = await self.start(text, params, "messages", requested, add_special_tokens=False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
 
         def lps_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
             if top is None or c.logprobs is None:
@@ -222,18 +218,10 @@ class OpenAIServer:
         def chunk(
             index: int, delta: dict[str, str], finish: str | None, lps: Any
         ) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
-                ],
-            }
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            return ids.wrap([choice])
 
-        if stream_flag:
-            ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
+        if body.stream:
             first = [
                 chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(params.n)
             ]
@@ -243,37 +231,21 @@ class OpenAIServer:
             ) -> dict[str, Any]:
                 return chunk(c.index, {"content": text} if text else {}, finish, lps_of(c, start))
 
-            return self._stream(stream, params, ids, text_chunk, first, include_usage)
+            return self._stream(stream, params, ids, text_chunk, first, body)
         out = await collect(stream, request)
-        return JSONResponse(
+        choices = [
             {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lps_of(c, 0),
-                        "finish_reason": finish_reason_of(c),
-                    }
-                    for c in out.outputs
-                ],
-                "usage": usage_of(out),
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lps_of(c, 0),
+                "finish_reason": finish_reason_of(c),
             }
-        )
+            for c in out.outputs
+        ]
+        whole = ReplyIds(rid, created, "chat.completion", self.model_name)
+        return JSONResponse(whole.wrap(choices, usage=usage_of(out)))
 
     # -- shared --
-    @staticmethod
-    def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-        stream_flag = typed_field(body, "stream", "bool", False)
-        opts = typed_field(body, "stream_options", "object", {})
-        include_usage = opts.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
-        return stream_flag, include_usage
-
     def _stream(
         self,
         stream: RequestStream,
@@ -281,25 +253,22 @@ class OpenAIServer:
         ids: ReplyIds,
         make_chunk: MakeChunk,
         first: list[dict[str, Any]],
-        include_usage: bool,
-    ) -> StreamingResponse:
-        def engine_failed() -> None:
-            self.metrics.http_errors[500] += 1
-
+        body: CompletionRequest | ChatRequest,
+    ) -> Response:
+        options = body.stream_options
         return sse_response(
             stream,
             params,
             ids,
             make_chunk,
             first=first,
-            include_usage=include_usage,
+            include_usage=options is not None and options.include_usage,
             abort=self.engine.abort,
-            on_engine_error=engine_failed,
+            on_error=self.metrics.http_error,
         )
 
     # -- the rest --
-    def models(self, request: Request) -> dict[str, Any]:
-        self.check_key(request)
+    def models(self) -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
@@ -319,10 +288,8 @@ class OpenAIServer:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "error": str(self.engine.error)}, 503)
 
-    def metrics_page(self) -> PlainTextResponse:
-        e = self.engine
-        text = self.metrics.render(e.engine, e.is_healthy, e.num_aborted)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    def metrics_page(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
 
 def build_app(
@@ -346,29 +313,37 @@ def build_app(
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="specbatch", lifespan=lifespan)
+    app = FastAPI(title="specbatch", lifespan=lifespan, strict_content_type=False)
     app.state.server, app.state.engine = server, engine
+
+    def error(exc: ApiError) -> JSONResponse:
+        server.metrics.http_error(exc.status)
+        return JSONResponse(error_body(exc), status_code=exc.status)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        server.metrics.http_errors[exc.status] += 1
-        return JSONResponse(error_body(exc), status_code=exc.status)
+        return error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        server.metrics.http_errors[exc.status_code] += 1
-        err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error_body(err), status_code=exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:  # the body did not parse
+            cause = exc.__cause__
+            message = f"the request body is not valid JSON: {type(cause).__name__}: {cause}"
+        return error(ApiError(exc.status_code, message, "invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        server.metrics.http_errors[500] += 1
-        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-        return JSONResponse(error_body(err), status_code=500)
+        return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    keyed = [Depends(server.check_key)]
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=keyed)
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=keyed)
+    app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=keyed)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_page, methods=["GET"])
     return app

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from types import FrameType
 from typing import Any
 
 from specbatch.engine.async_engine import DEFAULT_MAX_QUEUE_LEN
 from specbatch.entrypoints.engine_flags import add_engine_flags, engine_args_from
 from specbatch.errors import InvalidInputError
 
-FIELDS = ("host", "port", "api_key", "max_queue_len", "served_model_name")
+FIELDS = ("host", "port", "api_key", "max_queue_len", "served_model_name", "shutdown_timeout")
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 DESCRIPTION = """\
 Serve the model over HTTP with the OpenAI API:
@@ -18,11 +20,14 @@ Serve the model over HTTP with the OpenAI API:
                              top_k, min_p, seed, stop, stop_token_ids, ignore_eos, stream
   POST /v1/chat/completions  when the tokenizer has a chat template
   GET  /v1/models, GET /health, GET /metrics (Prometheus text)
+  GET  /docs, GET /openapi.json  every request field with its type and default
 
 The server binds to 127.0.0.1 unless --host says otherwise. With --api-key (or
 $SPECBATCH_API_KEY), /v1/* requests need 'Authorization: Bearer KEY'. Errors: 400 bad input,
-401 bad key, 503 queue full (--max-queue-len requests waiting beyond --max-num-seqs running),
-500 engine failure (then /health answers 503)."""
+401 bad key, 503 queue full (--max-queue-len requests waiting beyond --max-num-seqs running)
+or shutting down, 500 engine failure (then /health answers 503). On SIGTERM or Ctrl-C the
+server stops admitting at once, lets requests in flight run for --shutdown-timeout seconds,
+then ends the rest with an error (503) and exits."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,6 +61,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the model name clients send (default: the --model argument, else specbatch-default)",
     )
     g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may run before they are aborted "
+        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    g.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -71,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"port must be in [0, 65535], got {args.port}")
     if args.max_queue_len < 0:
         raise InvalidInputError(f"max_queue_len must be >= 0, got {args.max_queue_len}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise InvalidInputError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidInputError("api_key must not be empty")
     import uvicorn
@@ -83,5 +98,19 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         served_model_name=args.served_model_name,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    timeout = args.shutdown_timeout
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            app.state.engine.request_shutdown(timeout)  # before uvicorn stops listening
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=timeout + 5,  # the aborted requests' answers go out first
+    )
+    Server(config).run()
     return 0
