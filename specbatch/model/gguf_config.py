@@ -31,8 +31,8 @@ class _Metadata:
         self.reader, self.file, self.arch = reader, file, arch
 
     def _fail(self, key: str, what: str, value: Any) -> InvalidInputError:
-        shown = "absent" if value is None else f"got {str(value)[:60]!r}"
-        return InvalidInputError(f"model: '{self.file}': metadata '{key}' must be {what}, {shown}")
+        shown = "it is absent" if value is None else f"got {str(value)[:60]!r}"
+        return InvalidInputError(f"model: '{self.file}': metadata '{key}' must be {what}; {shown}")
 
     def int(self, name: str, required: bool = True, minimum: int = 1) -> int | None:
         key = f"{self.arch}.{name}"
