@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
+from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.model.loader import load_model
 from specbatch.testing.gguf_files import write_gguf
 from tests.helpers import hf_greedy
@@ -107,16 +108,20 @@ def test_greedy_output_equals_transformers_reading_the_same_file(
 def test_a_float32_file_holds_the_checkpoints_weights_exactly(
     make_checkpoint: Callable[..., Path], tmp_path: Path, arch: str, kwargs: dict[str, Any]
 ) -> None:
-    """Names, Llama's query/key row order and the tied head, checked against the Hugging Face
-    checkpoint the file was written from, without transformers' GGUF code."""
+    """Names, Llama's query/key row order, the tied head and each tensor-parallel rank's
+    slices, checked against the Hugging Face checkpoint the file was written from, without
+    transformers' GGUF code."""
     hf_dir = make_checkpoint(arch, **kwargs)
     file = write_gguf(hf_dir, tmp_path / "m.gguf", tokenizer=False)
-    # the torch layers: the kernels' repacked weights leave the parameters empty
-    want = dict(load_model(hf_dir, torch.float32, "cpu", use_cpu_kernels=False).named_parameters())
-    got = dict(load_model(file, torch.float32, "cpu", use_cpu_kernels=False).named_parameters())
-    assert got.keys() == want.keys()
-    for name, p in want.items():
-        assert p.numel() > 0 and torch.equal(got[name], p), name
+    for tp in (SINGLE, TensorParallelGroup(0, 2), TensorParallelGroup(1, 2)):  # each rank's slice
+        # the torch layers: the kernels' repacked weights leave the parameters empty
+        want = load_model(hf_dir, torch.float32, "cpu", tp, use_cpu_kernels=False)
+        got = dict(
+            load_model(file, torch.float32, "cpu", tp, use_cpu_kernels=False).named_parameters()
+        )
+        assert got.keys() == dict(want.named_parameters()).keys()
+        for name, p in want.named_parameters():
+            assert p.numel() > 0 and torch.equal(got[name], p), (tp, name)
 
 
 @pytest.mark.parametrize(
