@@ -3,7 +3,7 @@
 each prompt alone (batch 1) and all at once, the two engines taking turns prompt by prompt.
 
     python scripts/fetch_smollm2.py      # once
-    OMP_NUM_THREADS=1 python benchmarks/smollm2_ngram_chat.py [--dtype float32] [--k 3]
+    python benchmarks/smollm2_ngram_chat.py --threads 1 [--dtype float32] [--k 3] [--max-tokens 192]
 """
 
 from __future__ import annotations
