@@ -393,18 +393,25 @@ class EngineArgs:
         path: str, field_name: str, tokenizer: str | None, device: str, dtype: str
     ) -> ModelConfig:
         from specbatch.model.checkpoint_files import check_checkpoint_files, checkpoint_files
+        from specbatch.model.gguf_checkpoint import gguf_model
         from specbatch.model.loader import check_config, load_hf_config
 
         try:
-            hf_config = load_hf_config(path)
+            gguf = gguf_model(path)  # (file, config, its tokenizer); None: not a GGUF checkpoint
+            if gguf is not None:
+                path, hf_config, own_tokenizer = gguf
+            else:
+                hf_config = load_hf_config(path)
+                own_tokenizer = path if _has_tokenizer(path) else None
             check_config(hf_config)
-            check_checkpoint_files(checkpoint_files(path))
+            if gguf is None:
+                check_checkpoint_files(checkpoint_files(path))
         except InvalidInputError as e:
             msg = str(e)
             if msg.startswith("model") and field_name != "model":
                 msg = field_name + msg[len("model") :]
             raise InvalidInputError(msg) from None
-        tok = tokenizer or (path if _has_tokenizer(path) else None)
+        tok = tokenizer or own_tokenizer
         dt = resolve_dtype(dtype, hf_config, device)
         return ModelConfig(str(path), hf_config, dt, tok, field_name)
 

@@ -10,6 +10,10 @@ from specbatch.errors import InvalidInputError
 
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str) -> Any:
+    from specbatch.model.gguf_checkpoint import is_gguf_tokenizer, load_gguf_tokenizer
+
+    if is_gguf_tokenizer(path):  # a GGUF file: the tokenizer its metadata describe
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
     try:

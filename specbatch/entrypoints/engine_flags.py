@@ -58,14 +58,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "model",
         str,
-        "target model: a Hugging Face checkpoint directory "
-        "(default: the built-in pair, when installed)",
+        "target model: a Hugging Face checkpoint directory, a GGUF file or a folder holding "
+        "one (default: the built-in pair, when installed)",
         metavar="DIR",
     ),
     Flag(
         "draft_model",
         str,
-        "draft model directory; must share the target's vocabulary; turns speculative decoding on",
+        "draft model (directory or GGUF file); must share the target's vocabulary; turns "
+        "speculative decoding on",
         metavar="DIR",
     ),
     Flag(
@@ -90,7 +91,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "the largest draft length --num-speculative-tokens auto may choose",
         metavar="N",
     ),
-    Flag("tokenizer", str, "tokenizer directory (default: the model's)", metavar="DIR"),
+    Flag(
+        "tokenizer", str, "tokenizer directory or GGUF file (default: the model's)", metavar="DIR"
+    ),
     Flag(
         "dtype",
         str,

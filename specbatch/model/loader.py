@@ -8,6 +8,7 @@ safetensors file (``get_slice``), so no rank ever holds the whole model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,9 +20,10 @@ from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.model.checkpoint_files import check_checkpoint_files, checkpoint_files
 from specbatch.model.config_fields import check_config_fields, read_config_json
+from specbatch.model.gguf_checkpoint import find_gguf_file, gguf_weights
 from specbatch.model.layers.attention import AttentionBackend
 from specbatch.model.layers.rotary import compute_inv_freq
-from specbatch.model.layers.weights import get_weight_loader
+from specbatch.model.layers.weights import Loaded, get_weight_loader
 from specbatch.model.llama import (
     LlamaForCausalLM,
     check_architecture,
@@ -107,29 +109,41 @@ def _open(file: Path) -> Any:
         raise InvalidInputError(f"model: cannot read '{file}': {e}") from None
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], field: str = "model") -> None:
-    """Fill every parameter from the files; raise naming any weight the checkpoint lacks (and
-    ``field``, the argument that named the checkpoint)."""
-    params = dict(model.named_parameters())
-    loaded: set[tuple[str, object]] = set()
-    unexpected: list[str] = []
+def safetensors_weights(files: list[Path]) -> Iterator[tuple[str, Loaded]]:
+    """Every tensor of the files by name, as a lazy slice (read when indexed)."""
     for file in files:
         with _open(file) as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if hf_name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if model.tie_word_embeddings and hf_name == "lm_head.weight":
-                    continue
-                name, shard = _map_name(model, hf_name)
-                param = params.get(name)
-                if param is None:
-                    unexpected.append(hf_name)
-                    continue
-                try:
-                    get_weight_loader(param)(param, f.get_slice(hf_name), shard)
-                except InvalidInputError as e:
-                    raise InvalidInputError(f"{field}: weight '{hf_name}' {e}") from None
-                loaded.add((name, shard))
+                yield hf_name, f.get_slice(hf_name)
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path], field: str = "model") -> None:
+    load_named_weights(model, safetensors_weights(files), field)
+
+
+def load_named_weights(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]], field: str = "model"
+) -> None:
+    """Fill every parameter from ``weights`` (Hugging Face names, full tensors or lazy slices);
+    raise naming any weight they lack (and ``field``, the argument that named the checkpoint)."""
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, object]] = set()
+    unexpected: list[str] = []
+    for hf_name, weight in weights:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if model.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue
+        name, shard = _map_name(model, hf_name)
+        param = params.get(name)
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        try:
+            get_weight_loader(param)(param, weight, shard)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"{field}: weight '{hf_name}' {e}") from None
+        loaded.add((name, shard))
     missing = sorted(_hf_name(model, n, s) for n, s in _expected(model) - loaded)
     if missing:
         shown = ", ".join(missing[:10]) + (
@@ -153,15 +167,22 @@ def load_model(
     use_cpu_kernels: bool = True,
     field: str = "model",
 ) -> LlamaForCausalLM:
-    """This rank's shard of the checkpoint at ``path``, in ``dtype`` on ``device``, ready to run:
+    """This rank's shard of the checkpoint at ``path`` (a Hugging Face checkpoint directory, a
+    GGUF file or a folder holding one), in ``dtype`` on ``device``, ready to run:
     on a CPU through specbatch's kernels where they are available (``use_cpu_kernels=False``:
     the pure-torch layers)."""
-    hf_config = load_hf_config(path)
-    check_config(hf_config, tp)
-    files = checkpoint_files(path)
-    check_checkpoint_files(files)
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:  # a GGUF file: config and weights from it (gguf_checkpoint.py)
+        hf_config, weights = gguf_weights(gguf_file)
+        check_config(hf_config, tp)
+    else:
+        hf_config = load_hf_config(path)
+        check_config(hf_config, tp)
+        files = checkpoint_files(path)
+        check_checkpoint_files(files)
+        weights = safetensors_weights(files)
     model = LlamaForCausalLM(hf_config, dtype, device, tp, attention_backend)
-    load_weights(model, files, field)
+    load_named_weights(model, weights, field)
     if use_cpu_kernels and torch.device(device).type == "cpu":
         from specbatch.kernels.cpu import cpu_kernels
 
