@@ -106,8 +106,9 @@ typedef struct {
     int y_bf16;
 } tall_args;
 
-/* The block's steps for one tile. Step s's lines of the next block are this tile's to prefetch
- * when s = turn modulo ntile, so that the block's tiles share the stream evenly. */
+/* The block's steps for one tile. The tiles of a block share the prefetching of the next one
+ * evenly: tile t prefetches the t-th run of ntile-ths of its steps, a step's lines every ntile
+ * steps of its own. */
 SB_INLINE void steps(const int tm, const int tp, const int wbf16, const tall_args* a,
                      vf acc[TM][TP]) {
     const int nstep = wbf16 ? a->kn / 2 : a->kn, per_chunk = wbf16 ? XC / 2 : XC;
@@ -115,11 +116,13 @@ SB_INLINE void steps(const int tm, const int tp, const int wbf16, const tall_arg
     const long pbytes = a->pstride * (wbf16 ? 2 : 4);
     const char* w = (const char*)a->w;
     const float* xk = a->xk;
-    int c = (a->ntile - a->turn) % a->ntile, left = per_chunk;
+    const char* pf = a->pf ? a->pf + a->turn * ((nstep + a->ntile - 1) / a->ntile) * line : 0;
+    int c = 0, left = per_chunk;
     for (int s = 0; s < nstep; s++) {
-        if (a->pf && c == 0) {
+        if (pf && c == 0) {
 #pragma GCC unroll 8
-            for (int j = 0; j < tp; j++) prefetch_l2(a->pf + j * pbytes + s * line);
+            for (int j = 0; j < tp; j++) prefetch_l2(pf + j * pbytes);
+            pf += line;
         }
         c = c + 1 == a->ntile ? 0 : c + 1;
         if (wbf16)
