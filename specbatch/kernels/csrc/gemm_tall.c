@@ -5,14 +5,14 @@
  * 5 x 1 on AVX2's 16), the rows split evenly into as few tiles as hold them. A group of TP
  * panels is read in blocks of k that stay in L1 while every tile of rows runs over them (one
  * block of all of K when one tile holds the rows), the partial sums waiting in a scratch array
- * between blocks; while a block's tiles run, they prefetch the next block into L2, taking turns
- * step by step. x is copied once per call to float32 in chunks of k where a tile's rows lie
- * side by side, so each step broadcasts a tile's rows at fixed offsets. bfloat16 pairs are
- * widened in registers, once per tile for all its rows: the first elements by a shift, the
- * second by a masked load (AVX-512) or a mask (AVX2). Every output is summed over k in one
- * order, k = 0, 1, ..., K - 1, whatever the tile, the block or M, so a row's result does not
- * depend on the rest of the batch, and equals what gemm.c's kernels for four rows or fewer
- * give it. */
+ * between blocks; while a block's tiles run, they prefetch the next block into L2, each tile
+ * an even, contiguous share. x is copied once per call to float32 in chunks of k where a
+ * tile's rows lie side by side, so each step broadcasts a tile's rows at fixed offsets.
+ * bfloat16 pairs are widened in registers, once per tile for all its rows: the first elements
+ * by a shift, the second by a masked load (AVX-512) or a mask (AVX2). Every output is summed
+ * over k in one order, k = 0, 1, ..., K - 1, whatever the tile, the block or M, so a row's
+ * result does not depend on the rest of the batch, and equals what gemm.c's kernels for four
+ * rows or fewer give it. */
 #include <omp.h>
 #include <stdlib.h>
 
