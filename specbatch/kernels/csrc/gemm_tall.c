@@ -106,8 +106,8 @@ typedef struct {
     int y_bf16;
 } tall_args;
 
-/* The block's steps for one tile. The tiles of a block share the prefetching of the next one
- * evenly: tile t prefetches the t-th run of ntile-ths of its steps, a step's lines every ntile
+/* The block's steps for one tile. The tiles of a block share the prefetching of the next one:
+ * tile t prefetches the t-th of ntile equal runs of its steps, one step's lines every ntile
  * steps of its own. */
 SB_INLINE void steps(const int tm, const int tp, const int wbf16, const tall_args* a,
                      vf acc[TM][TP]) {
