@@ -94,6 +94,8 @@ def amx_path(request: pytest.FixtureRequest, kern: CpuKernels):
         (70, 48, 64),
         (20, 100, 96),
         (17, 4096, 256),
+        (9, 50, 260),
+        (24, 70, 301),
     ],
 )
 def test_linear_matches_torch(
@@ -115,21 +117,27 @@ def test_linear_matches_torch(
 
 
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
-@pytest.mark.parametrize("k", [96, 100])
+@pytest.mark.parametrize("k", [96, 100, 301])
 def test_linear_row_does_not_depend_on_the_batch(
     dtype: torch.dtype, amx: bool, amx_path: bool, k: int, kern: CpuKernels
 ) -> None:
+    """A row's outputs, bit for bit, alone and at any place in batches of every size the
+    kernels tile differently (up to four rows, one tall tile, several; K in one block or
+    several), with rounded and float32 outputs."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, k, generator=gen).to(dtype)
     packed = kern.pack_linear(torch.randn(72, k, generator=gen).to(dtype))
-    whole = kern.linear(x, packed)
-    for r in (0, 5, 16, 36):
-        alone = kern.linear(x[r : r + 1], packed)
-        assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
-        pair = kern.linear(x[r - 1 : r + 1] if r else x[:2], packed)
-        assert torch.equal(pair[1 if r else 0], whole[r]), f"row {r} differs in a batch of 2"
-        three = kern.linear(x[r - 2 : r + 1] if r else x[:3], packed)
-        assert torch.equal(three[2 if r else 0], whole[r]), f"row {r} differs in a batch of 3"
+    bias = torch.randn(72, generator=gen).to(dtype)
+    out_dtypes = [None, torch.float32] if dtype == torch.bfloat16 else [None]
+    for out_dtype in out_dtypes:
+        whole = kern.linear(x, packed, bias, out_dtype)
+        for r in (0, 5, 16, 36):
+            for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24):
+                start = max(0, min(r - n // 2, len(x) - n))
+                got = kern.linear(x[start : start + n], packed, bias, out_dtype)
+                assert torch.equal(got[r - start], whole[r]), (
+                    f"row {r} differs at place {r - start} of a batch of {n}"
+                )
 
 
 # --- layer ops --------------------------------------------------------------------------
