@@ -18,6 +18,7 @@ inside the pooled bin is invisible: over the categories the test catches d + ``p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,8 +48,10 @@ def power(n: float, dof: int, tv: float, alpha: float) -> float:
     return float(sps.ncx2.sf(sps.chi2.isf(alpha, dof), dof, 4.0 * n * tv * tv))
 
 
-def detectable_tv(n: float, dof: int, alpha: float, probability: float = 0.9) -> float:
-    """The total-variation distance that ``power`` catches with ``probability``."""
+@functools.lru_cache(maxsize=1024)
+def noncentrality_for(dof: int, alpha: float, probability: float = 0.9) -> float:
+    """The noncentrality at which a chi-square test with ``dof`` degrees of freedom at level
+    ``alpha`` rejects with ``probability``."""
     critical = sps.chi2.isf(alpha, dof)
 
     def short(noncentrality: float) -> float:
@@ -57,7 +60,12 @@ def detectable_tv(n: float, dof: int, alpha: float, probability: float = 0.9) ->
     high = 1.0
     while short(high) < 0:
         high *= 2.0
-    return math.sqrt(optimize.brentq(short, 0.0, high, xtol=1e-10) / (4.0 * n))
+    return float(optimize.brentq(short, 0.0, high, xtol=1e-10))
+
+
+def detectable_tv(n: float, dof: int, alpha: float, probability: float = 0.9) -> float:
+    """The total-variation distance that ``power`` catches with ``probability``."""
+    return math.sqrt(noncentrality_for(dof, alpha, probability) / (4.0 * n))
 
 
 def _pool_columns(expected: np.ndarray, min_expected: float) -> list[np.ndarray]:
