@@ -115,21 +115,26 @@ def test_linear_matches_torch(
 
 
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
-@pytest.mark.parametrize("k", [96, 100])
+@pytest.mark.parametrize(("n", "k", "bias"), [(72, 96, True), (72, 100, True), (4096, 256, False)])
 def test_linear_row_does_not_depend_on_the_batch(
-    dtype: torch.dtype, amx: bool, amx_path: bool, k: int, kern: CpuKernels
+    dtype: torch.dtype, amx: bool, amx_path: bool, n: int, k: int, bias: bool, kern: CpuKernels
 ) -> None:
-    gen = torch.Generator().manual_seed(0)
+    """A row's output has the same bits whatever the number of rows in the call and the row's
+    place among them: in the input dtype and as float32 (the LM head's logits, where a rounding
+    to bfloat16 would hide a difference). 1-4 rows run one tile, more run bfloat16 widened."""
+    gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(37, k, generator=gen).to(dtype)
-    packed = kern.pack_linear(torch.randn(72, k, generator=gen).to(dtype))
-    whole = kern.linear(x, packed)
-    for r in (0, 5, 16, 36):
-        alone = kern.linear(x[r : r + 1], packed)
-        assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
-        pair = kern.linear(x[r - 1 : r + 1] if r else x[:2], packed)
-        assert torch.equal(pair[1 if r else 0], whole[r]), f"row {r} differs in a batch of 2"
-        three = kern.linear(x[r - 2 : r + 1] if r else x[:3], packed)
-        assert torch.equal(three[2 if r else 0], whole[r]), f"row {r} differs in a batch of 3"
+    packed = kern.pack_linear(torch.randn(n, k, generator=gen).to(dtype))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    for out in (None, torch.float32):
+        whole = kern.linear(x, packed, b, out_dtype=out)
+        for rows in (1, 2, 3, 4, 5, 8, 37):
+            for start in sorted({0, (37 - rows) // 2, 37 - rows}):
+                part = kern.linear(x[start : start + rows], packed, b, out_dtype=out)
+                assert torch.equal(part, whole[start : start + rows]), (
+                    f"{rows} rows from row {start} ({out or dtype} out) differ from the same rows "
+                    "in a batch of 37"
+                )
 
 
 # --- layer ops --------------------------------------------------------------------------
