@@ -130,6 +130,9 @@ def verify_exactness(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     alpha: float = 1e-3,
@@ -167,7 +170,15 @@ def verify_exactness(
     _check("seed", _is_int(seed) and seed >= 0, "an integer >= 0", seed)
     if prompt is not None and prompt_token_ids is not None:
         raise InvalidInputError("prompt: give a prompt text or prompt_token_ids, not both")
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    sampling = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty,
+    }
     SamplingParams(**sampling)  # check the values before loading anything
     extra = {k: v for k, v in (engine_kwargs or {}).items() if k not in RESERVED}
     spec_engine = LLMEngine.from_engine_args(

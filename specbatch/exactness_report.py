@@ -8,6 +8,7 @@ the smallest total-variation difference caught with probability ``POWER`` is abo
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 from specbatch.sequence_stats import MAX_CELLS, SequenceComparison, samples_for
@@ -155,7 +156,11 @@ def _position_table(c: SequenceComparison) -> list[str]:
 
 def format_report(r: VerifyReport) -> str:
     """The human-readable report that ``specbatch verify`` prints."""
-    s, spec = r.sampling, r.speculative
+    spec = r.speculative
+    defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    sampling = " ".join(
+        f"{k}={v}" for k, v in r.sampling.items() if k not in defaults or v != defaults[k]
+    )
     prompt = repr(r.prompt) if r.prompt is not None else f"token ids {r.prompt_token_ids}"
     ref = "" if r.reference_model == r.model else f" (plain run: {r.reference_model})"
     acc = "n/a" if spec.acceptance_rate is None else f"{spec.acceptance_rate:.3f}"
@@ -166,8 +171,7 @@ def format_report(r: VerifyReport) -> str:
         f"  target              {r.model}{ref}",
         f"  draft               {r.draft_model} (k = {k})",
         f"  prompt              {prompt} ({len(r.prompt_token_ids)} tokens)",
-        f"  sampling            temperature={s['temperature']} top_p={s['top_p']} "
-        f"top_k={s['top_k']} min_p={s['min_p']}, {r.num_tokens} tokens each, ignore_eos",
+        f"  sampling            {sampling}, {r.num_tokens} tokens each, ignore_eos",
         f"  samples             {r.num_samples} speculative + {r.num_samples} plain "
         f"(seed {r.seed}, one seed per request)",
         f"  distinct sequences  {len(set(spec.seqs))} speculative, {len(set(r.plain.seqs))} plain",
@@ -177,7 +181,8 @@ def format_report(r: VerifyReport) -> str:
     ]
     if r.comparison is not None:
         lines += ["", *_position_table(r.comparison)]
-    lines += [f"  note: {n}" for n in r.notes]
+    for note in r.notes:
+        lines += textwrap.wrap(f"note: {note}", 96, initial_indent="  ", subsequent_indent="    ")
     lines += ["", _verdict_line(r)]
     lines.append(
         "What this means: the test asks whether the two samples could come from one "

@@ -241,9 +241,10 @@ def test_cli_checks_a_drafter_given_as_speculative_config(
     target, draft = pair
     config = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 1})
     argv = ["verify", "--model", target, "--speculative-config", config, "--num-samples",
-            "1000", "--top-k", "8", "--prompt-token-ids", "1,2", "--no-progress",
-            *ENGINE_FLAGS]  # fmt: skip
+            "1000", "--top-k", "8", "--prompt-token-ids", "1,2", "--presence-penalty", "0.5",
+            "--repetition-penalty", "1.3", "--no-progress", *ENGINE_FLAGS]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"draft_model: {draft} (k = 1)" in out and "3 tokens each" in out, out
+    assert "presence_penalty=0.5 repetition_penalty=1.3, 3 tokens" in out
     assert "PASS (p-value" in out

@@ -24,9 +24,9 @@ token, Bonferroni across tokens. Prints FAIL (exit 1) when the p-value is below 
 INCONCLUSIVE (exit 1) when the draft never ran or the test could not catch a total-variation
 difference of {USEFUL_TV:g}, PASS (exit 0) otherwise, with the difference it would have caught
 with probability {POWER:g}. An exact engine FAILs by chance with probability at most --alpha.
-The defaults (--tokens k + 2, so that the first round after the prompt proposes all k drafts;
---num-samples enough to catch {TARGET_TV:g} at every token) take about a minute on the
-built-in pair. With --temperature 0 the sequences must simply be the same."""
+By default --tokens is k + 2, so that the first round after the prompt proposes all k drafts,
+and --num-samples what catches {TARGET_TV:g} at every token. With --temperature 0 the sequences
+must simply be the same."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the runs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_sampling_flags(p, skip=("max_tokens",), stop_flags=False)
+    add_sampling_flags(p, skip=("max_tokens", "min_tokens", "n", "logprobs"), stop_flags=False)
     drafter_help = "the drafter to check, as vLLM's JSON (default: the built-in EAGLE-3 head)"
     add_engine_flags(p, skip=("seed",), help_overrides={"speculative_config": drafter_help})
     p.set_defaults(func=run)
@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         prompt=args.prompt,
         prompt_token_ids=args.prompt_token_ids,
         alpha=args.alpha,
