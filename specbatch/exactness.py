@@ -34,6 +34,10 @@ from specbatch.sampling_params import SamplingParams
 from specbatch.sequence_stats import compare_positions, samples_for
 
 DEFAULT_TEXT_PROMPT = "import os\nimport sys\n"
+NO_DRAFTER = (
+    "model: speculation is off for this target: give its drafter too (draft_model or "
+    "speculative_config), or no model to check the built-in pair"
+)
 RESERVED = ("model", "draft_model", "num_speculative_tokens", "seed", "speculative_config")
 
 
@@ -110,10 +114,7 @@ def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool
             raise InvalidInputError(
                 "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)"
             )
-        raise InvalidInputError(
-            "model: speculation is off for this target: give its drafter too (draft_model or "
-            "speculative_config), or no model to check the built-in pair"
-        )
+        raise InvalidInputError(NO_DRAFTER)
     where = cfg.draft.path if cfg.draft is not None else "prompt lookup"
     return f"{cfg.spec_method}: {where}", cfg.num_speculative_tokens, cfg.adaptive_speculation
 
@@ -170,6 +171,8 @@ def verify_exactness(
     _check("seed", _is_int(seed) and seed >= 0, "an integer >= 0", seed)
     if prompt is not None and prompt_token_ids is not None:
         raise InvalidInputError("prompt: give a prompt text or prompt_token_ids, not both")
+    if model is not None and draft_model is None and speculative_config is None:
+        raise InvalidInputError(NO_DRAFTER)  # only the built-in target has drafters of its own
     sampling = {
         "temperature": temperature,
         "top_p": top_p,
