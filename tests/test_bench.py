@@ -98,11 +98,21 @@ def test_bench_end_to_end(
             assert c["spec_rounds"] == 0 and c["alpha"] is None
             assert c["measured_speedup"] == pytest.approx(1.0)
         else:
-            assert c["spec_rounds"] > 0
-            assert 0 <= c["draft_tokens_accepted"] <= c["draft_tokens_proposed"]
-            assert 0.0 <= c["acceptance_rate"] <= 1.0 and 0.0 <= c["alpha"] <= 1.0
-            assert 1.0 <= c["mean_tokens_per_round"] <= c["draft_length"] + 1
-            assert 0 < c["mean_draft_length"] <= c["draft_length"]
+            rounds, proposed = c["spec_rounds"], c["draft_tokens_proposed"]
+            accepted = c["draft_tokens_accepted"]
+            assert rounds > 0 and 0 <= accepted <= proposed <= rounds * c["draft_length"]
+            assert c["acceptance_rate"] == pytest.approx(accepted / proposed)
+            assert c["mean_draft_length"] == pytest.approx(proposed / rounds)
+            assert c["mean_tokens_per_round"] == pytest.approx((accepted + rounds) / rounds)
+            # alpha = accepted / (accepted + rejections): the rejections it implies are a whole
+            # number of rounds, one per round that left a draft unaccepted at most
+            if accepted:
+                rejections = accepted / c["alpha"] - accepted
+                assert rejections == pytest.approx(round(rejections), abs=1e-6)
+                assert (proposed > accepted) <= round(rejections) <= proposed - accepted
+                assert round(rejections) <= rounds
+            else:
+                assert c["alpha"] == 0.0
             assert c["cost_ratio"] > 0 and c["verify_ratio"] > 0
             assert c["predicted_speedup_with_verify"] == pytest.approx(
                 c["predicted_speedup"]

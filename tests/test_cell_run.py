@@ -3,6 +3,7 @@ with the outputs of a cell run alone, and no KV block left behind when one of th
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
     share_weights(list(engines.values()))
     assert pointers(engines[2]) == pointers(engines[0])
 
+    start = cell_run.time.monotonic()  # the runs' first turns submit their first requests
     runs = [CellRun(e, workload, 3, 10, GREEDY) for e in engines.values()]
     gaps: list[float] = []  # after every turn: how far apart the live cells' clocks are
     longest = 0.0
@@ -112,7 +114,6 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
                 gaps.append(max(live) - min(live))
 
         run.advance = timed  # type: ignore[method-assign]
-    start = cell_run.time.monotonic()
     results = run_side_by_side(runs)
     elapsed = cell_run.time.monotonic() - start
 
@@ -126,8 +127,14 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
         assert r.wall_s == run.clock.seconds > 0
         assert r.output_tok_s == pytest.approx(r.output_tokens / r.wall_s)
         assert r.num_requests == 10 and r.output_tokens == 10 * 7
-        assert 0 < r.ttft_mean < r.e2e_mean <= r.wall_s
-        assert r.full_batch_tok_s is not None and r.full_batch_tok_s > 0
+        lat = r.latencies
+        assert r.ttft_mean == pytest.approx(statistics.fmean(lat["ttft"]))
+        assert r.e2e_mean == pytest.approx(statistics.fmean(lat["e2e"]))
+        for ttft, tpot, e2e in zip(lat["ttft"], lat["tpot"], lat["e2e"], strict=True):
+            # on the cell's clock: the first token, six gaps of tpot, the end, within the cell
+            assert ttft > 0 and ttft + 6 * tpot <= e2e * (1 + 1e-12) and e2e <= r.wall_s
+        assert run.full_batch is not None
+        assert r.full_batch_tok_s == run.full_batch[1] / run.full_batch[0]
     for e in engines.values():
         assert e.num_free_kv_blocks == e.num_kv_blocks
 

@@ -117,26 +117,28 @@ def test_linear_matches_torch(
 
 
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
-@pytest.mark.parametrize("k", [96, 100, 301])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(72, 96, True), (72, 100, True), (72, 301, True), (4096, 256, False)]
+)
 def test_linear_row_does_not_depend_on_the_batch(
-    dtype: torch.dtype, amx: bool, amx_path: bool, k: int, kern: CpuKernels
+    dtype: torch.dtype, amx: bool, amx_path: bool, n: int, k: int, bias: bool, kern: CpuKernels
 ) -> None:
-    """A row's outputs, bit for bit, alone and at any place in batches of every size the
-    kernels tile differently (up to four rows, one tall tile, several; K in one block or
-    several), with rounded and float32 outputs."""
-    gen = torch.Generator().manual_seed(0)
+    """A row's output has the same bits whatever the number of rows in the call and the row's
+    place among them (up to four rows one tile, then tall tiles, one or several; K in one block
+    or several): in the input dtype and as float32 (the LM head's logits, where a rounding to
+    bfloat16 would hide a difference)."""
+    gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(37, k, generator=gen).to(dtype)
-    packed = kern.pack_linear(torch.randn(72, k, generator=gen).to(dtype))
-    bias = torch.randn(72, generator=gen).to(dtype)
-    out_dtypes = [None, torch.float32] if dtype == torch.bfloat16 else [None]
-    for out_dtype in out_dtypes:
-        whole = kern.linear(x, packed, bias, out_dtype)
-        for r in (0, 5, 16, 36):
-            for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24):
-                start = max(0, min(r - n // 2, len(x) - n))
-                got = kern.linear(x[start : start + n], packed, bias, out_dtype)
-                assert torch.equal(got[r - start], whole[r]), (
-                    f"row {r} differs at place {r - start} of a batch of {n}"
+    packed = kern.pack_linear(torch.randn(n, k, generator=gen).to(dtype))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    for out in (None, torch.float32):
+        whole = kern.linear(x, packed, b, out_dtype=out)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 37):
+            for start in sorted({0, (37 - rows) // 2, 37 - rows}):
+                part = kern.linear(x[start : start + rows], packed, b, out_dtype=out)
+                assert torch.equal(part, whole[start : start + rows]), (
+                    f"{rows} rows from row {start} ({out or dtype} out) differ from the same rows "
+                    "in a batch of 37"
                 )
 
 
