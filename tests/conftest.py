@@ -3,10 +3,13 @@
 Model checkpoints: ``make_checkpoint(arch="llama", **kwargs)`` writes a tiny random Hugging Face
 checkpoint (see ``specbatch.testing.checkpoints.make_random_checkpoint`` for the arguments) once
 per session and argument set, and returns its directory. Treat the directory as read-only.
+
+CPU kernels: ``kern`` is this machine's build and, where the CPU has AVX-512, the AVX2 build too.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from specbatch.kernels.build import cpu_flags, load_module
+from specbatch.kernels.cpu import CpuKernels, cpu_kernels
 from specbatch.testing.checkpoints import make_random_checkpoint
 
 # The tests run tiny models: one intra-op thread is as fast as two on them, and it keeps the
@@ -39,3 +44,28 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_llama_checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
     """The default tiny Llama (vocab 256, 2 layers, GQA 4/2 heads) with a small tokenizer."""
     return make_checkpoint("llama", with_tokenizer=True)
+
+
+@functools.cache
+def _kernel_build(name: str) -> CpuKernels | None:
+    return cpu_kernels() if name == "native" else CpuKernels(load_module(avx2_only=True))
+
+
+@pytest.fixture(
+    params=[
+        "native",
+        pytest.param(
+            "avx2",
+            marks=pytest.mark.skipif(
+                "avx512f" not in cpu_flags(), reason="the native build is the AVX2 build here"
+            ),
+        ),
+    ]
+)
+def kern(request: pytest.FixtureRequest) -> CpuKernels:
+    """The op-level kernel tests run on this CPU's build and, where it has AVX-512, on the AVX2
+    build too (the same sources with 16-lane vectors as register pairs)."""
+    kernels = _kernel_build(request.param)
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    return kernels

@@ -61,9 +61,10 @@ def _compiler() -> str:
     return cc
 
 
-def library_path(avx2_only: bool = False) -> Path:
+def library_path(avx2_only: bool = False, csrc: Path = CSRC) -> Path:
     """Where the library for this machine lives; built there first if it is not.
-    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512."""
+    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512; ``csrc`` is the folder
+    of the sources (another version of them, for a benchmark's A/B)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"only built on Linux x86-64, this is {platform.platform()}")
     flags = cpu_flags()
@@ -78,8 +79,8 @@ def library_path(avx2_only: bool = False) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"the C compiler '{cc}' does not run: {e}") from e
     digest = hashlib.sha256()
-    for name in (*SOURCES, "common.h"):
-        digest.update((CSRC / name).read_bytes())
+    for path in (*(csrc / name for name in SOURCES), *sorted(csrc.glob("*.h"))):
+        digest.update(path.read_bytes())
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         raise KernelBuildError(f"no Python headers (Python.h) under {include}")
@@ -91,7 +92,7 @@ def library_path(avx2_only: bool = False) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cc, *build_flags, f"-I{include}", "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
+    cmd = [cc, *build_flags, f"-I{include}", "-o", tmp, *(str(csrc / s) for s in SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -103,10 +104,10 @@ def library_path(avx2_only: bool = False) -> Path:
     return lib
 
 
-def load_module(avx2_only: bool = False) -> ModuleType:
+def load_module(avx2_only: bool = False, csrc: Path = CSRC) -> ModuleType:
     import torch  # noqa: F401  (torch's OpenMP runtime must be the one the module binds to)
 
-    path = library_path(avx2_only)
+    path = library_path(avx2_only, csrc)
     try:
         loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
         spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)

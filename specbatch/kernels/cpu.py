@@ -46,6 +46,7 @@ class CpuKernels:
         info = module.info()
         self.bf16_dot = bool(info["bf16_dot"])  # AVX512-BF16 (else bfloat16 runs as FMA pairs)
         self.max_head_dim = int(info["max_head_dim"])
+        self.tree_rows = int(info["tree"])  # attention's tree masks cover sequences this long
         self.amx_available = bool(info["amx"])
         self.use_amx(_env_on("SPECBATCH_CPU_AMX"))
 
@@ -186,15 +187,28 @@ class CpuKernels:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]`` (rows may be strided) over the cache -> ``[T, Hq, D]``."""
+        """``q [T, Hq, D]`` (rows may be strided) over the cache -> ``[T, Hq, D]``.
+
+        Every row sees its sequence's context; of the new tokens, row ``i`` sees ``0 .. i``
+        (causal), or with ``tree_mask`` (int64 ``[T]``) the new tokens ``j`` whose bit ``j`` is
+        set in its entry, for sequences of at most ``tree_rows`` new tokens (longer ones stay
+        causal); see ``model/layers/tree_mask.py``. A row must see itself."""
         t, hq, d = q.shape
         out = torch.empty((t, hq, d), dtype=q.dtype)
+        tree = None
+        if tree_mask is not None:
+            if tree_mask.dtype != torch.int64 or tree_mask.shape != (t,):
+                raise ValueError(f"tree_mask must be int64 [{t}], got {tree_mask.dtype} "
+                                 f"{tuple(tree_mask.shape)}")  # fmt: skip
+            tree_mask = tree_mask.contiguous()  # held until the call returns
+            tree = tree_mask.data_ptr()
         self._m.paged_attention(
             seq_lens.shape[0], query_start_loc.data_ptr(), seq_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), q.data_ptr(), q.stride(0), hq,
             k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[3], scale,
-            out.data_ptr(), _is_bf16(q),
+            out.data_ptr(), tree, _is_bf16(q),
         )  # fmt: skip
         return out
 

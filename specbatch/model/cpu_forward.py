@@ -157,7 +157,7 @@ class _FlatLayers:
         m.paged_attention(
             meta.seq_lens.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
             meta.block_tables.data_ptr(), meta.block_tables.stride(0), q, ld, hq,
-            k_cache.shape[1], d, kc, vc, bs, self.scale, attn.data_ptr(), bf16,
+            k_cache.shape[1], d, kc, vc, bs, self.scale, attn.data_ptr(), None, bf16,
         )  # fmt: skip
         self.linear(t, lay.o, attn, out)
 
