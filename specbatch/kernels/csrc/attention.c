@@ -19,7 +19,8 @@
  * share a kv head) over a group of kv heads: the item walks the sequence's keys once, SPAN
  * chunks of up to 16 keys at a time (a chunk lies inside one block), and for each kv head of
  * the group computes every vector's scores on the chunks while they sit in L1, one running-max
- * update per span (online softmax in float32), then the weighted values. Keys and values of
+ * update per span (online softmax in float32, in powers of 2: q carries scale * log2(e)), then
+ * the weighted values. Keys and values of
  * the span PF_AHEAD spans ahead, across items, are prefetched into L2 a share at a time, since
  * the pool hands blocks out in any order and no hardware prefetcher sees them coming.
  *
@@ -376,7 +377,24 @@ SB_INLINE void values_span(int nv, int nch, float* acc0, int d, const float* p0,
     }
 }
 
-/* Scores of a span -> probabilities in place (0 where a vector does not see a key), with the
+/* 2^x for x <= 0, about 1e-7 relative (a degree-7 polynomial on the fraction in [-1/2, 1/2]),
+ * 0 below -127. */
+SB_INLINE vf exp2_neg(vf x) {
+    x = vf_max(x, vf_set1(-127.0f));
+    vf n = vf_round(x);
+    vf f = vf_sub(x, n);
+    vf p = vf_set1(1.5252733804059840e-5f); /* ln(2)^k / k!, k = 7 .. 0 */
+    p = vf_fma(p, f, vf_set1(1.5403530393381606e-4f));
+    p = vf_fma(p, f, vf_set1(1.3333558146428443e-3f));
+    p = vf_fma(p, f, vf_set1(9.6181291076284772e-3f));
+    p = vf_fma(p, f, vf_set1(5.5504108664821580e-2f));
+    p = vf_fma(p, f, vf_set1(2.4022650695910071e-1f));
+    p = vf_fma(p, f, vf_set1(6.9314718055994531e-1f));
+    p = vf_fma(p, f, vf_set1(1.0f));
+    return vf_scale2(p, n);
+}
+
+/* Scores (in log2 units) of a span -> probabilities in place (0 where a vector does not see a key), with the
  * running max mx, the lane-wise running sums ls and the accumulators acc of every vector. */
 SB_INLINE void softmax_span(int nv, int nch, float* s, const vmask (*vm)[SPAN], float* mx,
                             float* ls, float* acc, int d) {
@@ -395,7 +413,7 @@ SB_INLINE void softmax_span(int nv, int nch, float* s, const vmask (*vm)[SPAN], 
         vf l = vf_load(ls + v * 16);
         if (m_new > mx[v]) {
             if (mx[v] != -INFINITY) {
-                vf corr = vf_set1(expf(mx[v] - m_new));
+                vf corr = vf_set1(exp2f(mx[v] - m_new));
                 l = vf_mul(l, corr);
                 for (int i = 0; i < d; i += 16)
                     vf_store(acc + v * d + i, vf_mul(vf_load(acc + v * d + i), corr));
@@ -404,7 +422,7 @@ SB_INLINE void softmax_span(int nv, int nch, float* s, const vmask (*vm)[SPAN], 
         }
         const vf mv = vf_set1(mx[v]);
         for (int ch = 0; ch < nch; ch++) {
-            vf pv = vf_select(vm[v][ch], exp16(vf_sub(vf_load(sv + ch * 16), mv)), vf_zero());
+            vf pv = vf_select(vm[v][ch], exp2_neg(vf_sub(vf_load(sv + ch * 16), mv)), vf_zero());
             l = vf_add(l, pv);
             vf_store(sv + ch * 16, pv);
         }
@@ -422,7 +440,7 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
     const int esz = bf16 ? 2 : 4, d = a->d, G = a->hq / a->hkv, nh = it->h1 - it->h0;
     const int nv = it->nv, b = it->b;
     const long row0 = a->qsl[b];
-    float* qt = ws;                        /* [nh][d][QT]: q times the scale */
+    float* qt = ws;                        /* [nh][d][QT]: q times scale * log2(e) */
     float* acc = qt + (long)nh * QT * d;   /* [nh][QT][d] */
     float* ls = acc + (long)nh * QT * d;   /* [nh][QT][16] */
     float* mx = ls + (long)nh * QT * 16;   /* [nh][QT] (padded to 16) */
@@ -430,7 +448,7 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
     vis_t vis;
     vis.ctx = seq_ctx(a, b);
     for (int v = 0; v < nv; v++) row_vis(a, b, (it->v0 + v) / G, &vis.vend[v], &vis.tm[v]);
-    const vf scale = vf_set1(a->scale);
+    const vf scale = vf_set1(a->scale * 1.44269504088896341f);
     for (int h = 0; h < nh; h++)
         for (int v = 0; v < nv; v++) {
             const int r = (it->v0 + v) / G, head = (it->h0 + h) * G + (it->v0 + v) % G;
