@@ -33,6 +33,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define DMAX 256
 #define QT 16        /* query vectors of one kv head in a tile */

@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 typedef union {
     long long i;
     double f;
@@ -35,24 +37,6 @@ static int parse(PyObject* const* args, Py_ssize_t n, const char* fmt, arg_t* ou
     }
     return 0;
 }
-
-void sb_linear_f32(int, int, int, const float*, long, const float*, const float*, float*, long);
-void sb_linear_bf16(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*, void*,
-                    long, int);
-void sb_rms_norm(int, int, const void*, long, void*, const void*, float, void*, int);
-void sb_head_rms_norm(int, int, int, void*, long, const void*, float, int);
-void sb_rope(int, int, int, void*, long, const int64_t*, const float*, const float*, int);
-void sb_silu_and_mul(int, int, const void*, void*, int);
-void sb_write_kv(int, int, int, const void*, long, const void*, long, const int64_t*, void*, void*,
-                 int, int);
-void sb_paged_attention(int, const int64_t*, const int64_t*, const int64_t*, long, const void*,
-                        long, int, int, int, const void*, const void*, int, float, void*,
-                        const uint64_t*, int);
-int sb_has_bf16_dot(void);
-int sb_amx_available(void);
-void sb_set_amx(int);
-int sb_attention_max_head_dim(void);
-int sb_attention_tree_rows(void);
 
 #define I(k) ((int)a[k].i)
 #define L(k) ((long)a[k].i)
