@@ -1,7 +1,7 @@
 """The CPU attention kernel (``kernels/csrc/attention.c``) against the pure-torch references on
 ragged batches of prompts, chunks, decodes, verifications of 1-17 rows and draft trees, every
 head grouping (MHA, GQA 2/3/4/8, MQA), odd block sizes and contexts that end inside a block, in
-float32 and bfloat16 on every build this CPU runs (``kern``); and a row's outputs bit for bit
+float32 and bfloat16 on every build this CPU runs (``attn_kern``); and a row's outputs bit for bit
 the same whatever its company, its chunking and the threads."""
 
 from __future__ import annotations
@@ -97,12 +97,18 @@ def assert_close_by_sequence(got: torch.Tensor, ref: torch.Tensor, meta, tol: fl
 @pytest.mark.parametrize("lens", [RAGGED, VERIFY], ids=["mixed", "verify"])
 @pytest.mark.parametrize(("block_size", "hq", "hkv", "d"), SHAPES)
 def test_attention_matches_reference(
-    dtype: torch.dtype, lens: tuple, block_size: int, hq: int, hkv: int, d: int, kern: CpuKernels
+    dtype: torch.dtype,
+    lens: tuple,
+    block_size: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    attn_kern: CpuKernels,
 ) -> None:
     q, k, v, k_cache, v_cache, meta, _ = random_paged_batch(
         *lens, block_size, hq, hkv, d, seed=block_size + d, dtype=dtype
     )
-    backend = CpuAttentionBackend(kern)
+    backend = CpuAttentionBackend(attn_kern)
     assert backend.kv_cache_shapes(k_cache.shape[0], block_size, hkv, d) == (
         (k_cache.shape[0], hkv, d, block_size),
         (k_cache.shape[0], hkv, block_size + block_size % 2, d),
@@ -124,13 +130,13 @@ def test_attention_matches_reference(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "hq", "hkv", "d"), [SHAPES[1], SHAPES[4], SHAPES[5]])
 def test_tree_attention_matches_reference(
-    dtype: torch.dtype, block_size: int, hq: int, hkv: int, d: int, kern: CpuKernels
+    dtype: torch.dtype, block_size: int, hq: int, hkv: int, d: int, attn_kern: CpuKernels
 ) -> None:
     """Each row sees the context and its ancestors in its sequence's draft tree; the 70-token
     prompt's mask entries are ignored (causal)."""
     batch = random_paged_batch(*VERIFY, block_size, hq, hkv, d, seed=d, dtype=dtype)
     tree = random_trees(VERIFY[0], seed=block_size)
-    got = cpu_attention(kern, batch, d**-0.5, tree)
+    got = cpu_attention(attn_kern, batch, d**-0.5, tree)
     ref = reference(batch, d**-0.5, tree)
     assert_close_by_sequence(got, ref, batch[5], 1e-2 if dtype == torch.bfloat16 else 1e-5)
     causal = reference(batch, d**-0.5)
@@ -138,18 +144,21 @@ def test_tree_attention_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_peaked_scores_match_reference(dtype: torch.dtype, kern: CpuKernels) -> None:
+def test_peaked_scores_match_reference(dtype: torch.dtype, attn_kern: CpuKernels) -> None:
     """Scores tens apart, so that the running max moves between spans of keys."""
     q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(
         *VERIFY, 16, 4, 2, 64, seed=3, dtype=dtype
     )
     batch = (q * 6, k * 2, v, k_cache * 2, v_cache, meta, tables)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    assert_close_by_sequence(cpu_attention(kern, batch, 0.125), reference(batch, 0.125), meta, tol)
+    got = cpu_attention(attn_kern, batch, 0.125)
+    assert_close_by_sequence(got, reference(batch, 0.125), meta, tol)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_over_a_large_cache_matches_reference(threads: int, kern: CpuKernels) -> None:
+def test_attention_over_a_large_cache_matches_reference(
+    threads: int, attn_kern: CpuKernels
+) -> None:
     """A call that reads more keys and values than a core's L2 prefetches the blocks of the
     spans ahead, across a thread's items: every item still runs once, with its own outputs."""
     query_lens = [1, 3, 1, 5] * 6  # decodes and verifications
@@ -161,18 +170,18 @@ def test_attention_over_a_large_cache_matches_reference(threads: int, kern: CpuK
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = CpuAttentionBackend(kern).forward(q, k, v, kc, vc, meta, 0.125)
+        got = CpuAttentionBackend(attn_kern).forward(q, k, v, kc, vc, meta, 0.125)
     finally:
         torch.set_num_threads(before)
     ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_reads_each_sequence_own_slots(kern: CpuKernels) -> None:
+def test_attention_reads_each_sequence_own_slots(attn_kern: CpuKernels) -> None:
     """Changing one cached key changes exactly the outputs of the sequence holding it, from the
     first query row that sees its position."""
     q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(*RAGGED, 16, 4, 2, 64, seed=5)
-    backend = CpuAttentionBackend(kern)
+    backend = CpuAttentionBackend(attn_kern)
     kc, vc = to_cpu_layout(k_cache, v_cache)
     before = backend.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
     b, pos = 4, 37  # sequence 4: one decode row at position 63, context 0..62

@@ -39,7 +39,7 @@ def attend(kern, q, caches, q_lens, s_lens, tables, tree=None, threads=1) -> tor
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 @pytest.mark.parametrize("hq", [2, 4, 8])
 def test_a_rows_bits_do_not_depend_on_its_company(
-    dtype: torch.dtype, tree: bool, hq: int, kern: CpuKernels
+    dtype: torch.dtype, tree: bool, hq: int, attn_kern: CpuKernels
 ) -> None:
     """Verifications of 1-17 rows with 1, 2 and 4 query heads a kv head (up to 68 query vectors
     of a kv head, several tiles): each sequence alone, the batch reversed and on two threads give
@@ -47,49 +47,51 @@ def test_a_rows_bits_do_not_depend_on_its_company(
     q_lens, s_lens = VERIFY
     batch = random_paged_batch(q_lens, s_lens, 16, hq, 2, 64, seed=9, dtype=dtype)
     q, tables = batch[0], batch[6]
-    caches = written(kern, batch)
+    caches = written(attn_kern, batch)
     mask = random_trees(q_lens, seed=2) if tree else None
-    whole = attend(kern, q, caches, q_lens, s_lens, tables, mask)
-    assert torch.equal(attend(kern, q, caches, q_lens, s_lens, tables, mask, threads=2), whole)
+    whole = attend(attn_kern, q, caches, q_lens, s_lens, tables, mask)
+    assert torch.equal(attend(attn_kern, q, caches, q_lens, s_lens, tables, mask, threads=2), whole)
     starts = [sum(q_lens[:b]) for b in range(len(q_lens) + 1)]
     order = list(reversed(range(len(q_lens))))
     rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in order])
-    reordered = attend(kern, q[rows], caches, [q_lens[b] for b in order],
+    reordered = attend(attn_kern, q[rows], caches, [q_lens[b] for b in order],
                        [s_lens[b] for b in order], [tables[b] for b in order],
                        mask[rows] if mask is not None else None)  # fmt: skip
     assert torch.equal(reordered, whole[rows]), "the batch reversed differs"
     for b, (q_len, s_len) in enumerate(zip(q_lens, s_lens, strict=True)):
         own = slice(starts[b], starts[b + 1])
-        alone = attend(kern, q[own], caches, [q_len], [s_len], [tables[b]],
+        alone = attend(attn_kern, q[own], caches, [q_len], [s_len], [tables[b]],
                        mask[own] if mask is not None else None)  # fmt: skip
         assert torch.equal(alone, whole[own]), f"sequence {b} differs alone"
         if mask is None and 1 < q_len <= 17:
             for i in range(q_len):
                 row = q[starts[b] + i : starts[b] + i + 1]
-                one = attend(kern, row, caches, [1], [s_len - q_len + i + 1], [tables[b]])
+                one = attend(attn_kern, row, caches, [1], [s_len - q_len + i + 1], [tables[b]])
                 assert torch.equal(one[0], whole[starts[b] + i]), f"row {i} of {b} differs alone"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_chain_tree_is_causal_attention_bit_for_bit(dtype: torch.dtype, kern: CpuKernels) -> None:
+def test_a_chain_tree_is_causal_attention_bit_for_bit(
+    dtype: torch.dtype, attn_kern: CpuKernels
+) -> None:
     q_lens, s_lens = VERIFY
     batch = random_paged_batch(q_lens, s_lens, 16, 4, 2, 64, seed=4, dtype=dtype)
-    caches = written(kern, batch)
-    causal = attend(kern, batch[0], caches, q_lens, s_lens, batch[6])
-    chain = attend(kern, batch[0], caches, q_lens, s_lens, batch[6], causal_tree_mask(q_lens))
+    caches = written(attn_kern, batch)
+    causal = attend(attn_kern, batch[0], caches, q_lens, s_lens, batch[6])
+    chain = attend(attn_kern, batch[0], caches, q_lens, s_lens, batch[6], causal_tree_mask(q_lens))
     assert torch.equal(chain, causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(
-    dtype: torch.dtype, kern: CpuKernels
+    dtype: torch.dtype, attn_kern: CpuKernels
 ) -> None:
     """A sequence's outputs are bit-identical alone and inside the ragged batch, and when its
     new tokens come in two chunks instead of one."""
     q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(
         *RAGGED, 16, 6, 2, 64, seed=9, dtype=dtype
     )
-    backend = CpuAttentionBackend(kern)
+    backend = CpuAttentionBackend(attn_kern)
     kc, vc = to_cpu_layout(k_cache, v_cache)
     whole = backend.forward(q, k, v, kc, vc, meta, 0.125)
     for b in (1, 3, 6):  # a decode, a chunk on cached context, a whole prompt

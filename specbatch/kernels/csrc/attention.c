@@ -201,6 +201,16 @@ static void pf_next(pf_t* pf, int parts) {
 #define WIDTH(nvg) ((nvg) <= 1 ? 2 : 1)
 #endif
 
+/* bfloat16 on dot products of pairs where the CPU has AVX512-BF16: a pair of q's (p's) values
+ * against 16 pairs of keys (values) an instruction, p rounded to bfloat16 as on GPUs. Built with
+ * SB_ATTN_PAIRS_TEST, the same code runs on the pairs' two FMAs (common.h), to be tested where
+ * the instruction is missing. Elsewhere bfloat16 keys and values are widened to float32. */
+#if defined(__AVX512BF16__) || defined(SB_ATTN_PAIRS_TEST)
+#define PAIRS 1
+#else
+#define PAIRS 0
+#endif
+
 /* Dimensions 2i and 2i + 1 of 16 keys: the key rows of a chunk start at kb, rs bytes apart
  * (bfloat16: one row of pairs; float32: two rows). Lanes outside km read as 0. */
 SB_INLINE void key_dims(const char* kb, int i, long rs, vmask km, const int bf16, vf* e, vf* o) {
@@ -301,8 +311,20 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
 }
 
 
-#define SC(NVG, NCH) scores_blk(NVG, NCH, qt, d, kb, rs, km, s, bf16)
-#define VA(NVG, NDB) values_blk(NVG, NDB, acc, d, p, vb, rs, n, nch, i0, bf16)
+#define SC(NVG, NCH)                                                                   \
+    do {                                                                               \
+        if (pairs)                                                                     \
+            scores_blk_pairs(NVG, NCH, (const uint32_t*)qt, d, kb, rs, km, sc, s);     \
+        else                                                                           \
+            scores_blk(NVG, NCH, qt, d, kb, rs, km, s, bf16);                          \
+    } while (0)
+#define VA(NVG, NDB)                                                                   \
+    do {                                                                               \
+        if (pairs)                                                                     \
+            values_blk_pairs(NVG, NDB, acc, d, pp, vb, rs, n, nch, i0);                \
+        else                                                                           \
+            values_blk(NVG, NDB, acc, d, p, vb, rs, n, nch, i0, bf16);                 \
+    } while (0)
 #define BY_WIDTH(F, NVG, W) \
     do {                    \
         if ((W) >= 4)       \
@@ -337,6 +359,84 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
     }
 #endif
 
+/* The dot-product forms of scores_blk (q's bfloat16 pairs, dimensions 2i and 2i + 1, at
+ * qp[i * QT + v]; the sums times sc) and values_blk (p's bfloat16 pairs, keys 2j and 2j + 1 of a
+ * chunk, at pp[(v * SPAN + ch) * 8 + j]; even pairs in one sum, odd in the other). */
+SB_INLINE void scores_blk_pairs(const int NVG, const int NCH, const uint32_t* qp, int d,
+                                const char* const* kb, long rs, const vmask* km, float sc,
+                                float* s) {
+    vf acc[VGMAX][4];
+#pragma GCC unroll 16
+    for (int v = 0; v < NVG; v++)
+#pragma GCC unroll 4
+        for (int ch = 0; ch < NCH; ch++) acc[v][ch] = vf_zero();
+    for (int i = 0; i < d / 2; i++) {
+#pragma GCC unroll 4
+        for (int ch = 0; ch < NCH; ch++) {
+            bpairs k = bpairs_load((const uint16_t*)(kb[ch] + i * rs), km[ch]);
+#pragma GCC unroll 16
+            for (int v = 0; v < NVG; v++)
+                acc[v][ch] = vf_dot_pairs(acc[v][ch], qp[i * QT + v], k);
+        }
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < NVG; v++)
+#pragma GCC unroll 4
+        for (int ch = 0; ch < NCH; ch++)
+            vf_store(s + (v * SPAN + ch) * 16, vf_mul(acc[v][ch], vf_set1(sc)));
+}
+
+SB_INLINE void values_blk_pairs(const int NVG, const int NDB, float* acc, int d,
+                                const uint32_t* pp, const char* const* vb, long rs, const int* n,
+                                int nch, int i0) {
+    vf ev[VGMAX][4], od[VGMAX][4];
+#pragma GCC unroll 16
+    for (int v = 0; v < NVG; v++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NDB; u++) {
+            ev[v][u] = vf_load(acc + v * d + i0 + 16 * u);
+            od[v][u] = vf_zero();
+        }
+    for (int ch = 0; ch < nch; ch++) {
+        const uint32_t* pc = pp + ch * 8;
+        const int full = n[ch] / 2;
+        int jj = 0;
+        for (; jj + 1 < full; jj += 2) {
+#pragma GCC unroll 4
+            for (int u = 0; u < NDB; u++) {
+                const char* x = vb[ch] + jj * rs + (i0 + 16 * u) * 4;
+                bpairs x0 = bpairs_load((const uint16_t*)x, 0xffff);
+                bpairs x1 = bpairs_load((const uint16_t*)(x + rs), 0xffff);
+#pragma GCC unroll 16
+                for (int v = 0; v < NVG; v++) {
+                    ev[v][u] = vf_dot_pairs(ev[v][u], pc[v * SPAN * 8 + jj], x0);
+                    od[v][u] = vf_dot_pairs(od[v][u], pc[v * SPAN * 8 + jj + 1], x1);
+                }
+            }
+        }
+        for (; jj < (n[ch] + 1) / 2; jj++) { /* an even pair, or the last key without partner */
+            const int whole = jj < full;
+#pragma GCC unroll 4
+            for (int u = 0; u < NDB; u++) {
+                const uint16_t* x = (const uint16_t*)(vb[ch] + jj * rs + (i0 + 16 * u) * 4);
+                bpairs x0 = whole ? bpairs_load(x, 0xffff) : bpairs_load_low(x);
+#pragma GCC unroll 16
+                for (int v = 0; v < NVG; v++) {
+                    if (jj & 1)
+                        od[v][u] = vf_dot_pairs(od[v][u], pc[v * SPAN * 8 + jj], x0);
+                    else
+                        ev[v][u] = vf_dot_pairs(ev[v][u], pc[v * SPAN * 8 + jj], x0);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < NVG; v++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NDB; u++)
+            vf_store(acc + v * d + i0 + 16 * u, vf_add(ev[v][u], od[v][u]));
+}
+
 /* the largest width a group of nvg vectors takes that fits in `left` */
 SB_INLINE int fit_width(int nvg, int left) {
     int w = WIDTH(nvg);
@@ -345,7 +445,8 @@ SB_INLINE int fit_width(int nvg, int left) {
 }
 
 SB_INLINE void scores_span(int nv, int nch, const float* qt0, int d, const char* const* kb0,
-                           long rs, const vmask* km0, float* s0, const int bf16) {
+                           long rs, const vmask* km0, float sc, float* s0, const int bf16) {
+    const int pairs = PAIRS && bf16;
     const int groups = (nv + VGMAX - 1) / VGMAX;
     for (int g = 0, v0 = 0; g < groups; g++) {
         const int nvg = (nv - v0) / (groups - g);
@@ -363,7 +464,9 @@ SB_INLINE void scores_span(int nv, int nch, const float* qt0, int d, const char*
 }
 
 SB_INLINE void values_span(int nv, int nch, float* acc0, int d, const float* p0,
-                           const char* const* vb, long rs, const int* n, const int bf16) {
+                           const uint32_t* pp0, const char* const* vb, long rs, const int* n,
+                           const int bf16) {
+    const int pairs = PAIRS && bf16;
     const int groups = (nv + VGMAX - 1) / VGMAX;
     for (int g = 0, v0 = 0; g < groups; g++) {
         const int nvg = (nv - v0) / (groups - g);
@@ -371,6 +474,7 @@ SB_INLINE void values_span(int nv, int nch, float* acc0, int d, const float* p0,
             const int w = fit_width(nvg, (d - i0) / 16);
             float* acc = acc0 + v0 * d;
             const float* p = p0 + v0 * SPAN * 16;
+            const uint32_t* pp = pp0 + v0 * SPAN * 8;
             BY_GROUP(VA, nvg, w);
             i0 += 16 * w;
         }
@@ -395,16 +499,20 @@ SB_INLINE vf exp2_neg(vf x) {
     return vf_scale2(p, n);
 }
 
-/* Scores (in log2 units) of a span -> probabilities in place (0 where a vector does not see a key), with the
- * running max mx, the lane-wise running sums ls and the accumulators acc of every vector. */
-SB_INLINE void softmax_span(int nv, int nch, float* s, const vmask (*vm)[SPAN], float* mx,
-                            float* ls, float* acc, int d) {
+/* Scores (in log2 units) of a span -> probabilities in place (0 where a vector does not see a
+ * key; with pp, also as bfloat16 pairs), with the running max mx, the lane-wise running sums ls
+ * and the accumulators acc of every vector. */
+SB_INLINE void softmax_span(int nv, int nch, float* s, uint32_t* pp, const vmask (*vm)[SPAN],
+                            float* mx, float* ls, float* acc, int d) {
     for (int v = 0; v < nv; v++) {
         float* sv = s + v * SPAN * 16;
         vmask any = 0;
         for (int ch = 0; ch < nch; ch++) any |= vm[v][ch];
         if (!any) {
-            for (int ch = 0; ch < nch; ch++) vf_store(sv + ch * 16, vf_zero());
+            for (int ch = 0; ch < nch; ch++) {
+                vf_store(sv + ch * 16, vf_zero());
+                if (pp) memset(pp + (v * SPAN + ch) * 8, 0, 32);
+            }
             continue;
         }
         vf m = vf_set1(-INFINITY);
@@ -426,6 +534,7 @@ SB_INLINE void softmax_span(int nv, int nch, float* s, const vmask (*vm)[SPAN], 
             vf pv = vf_select(vm[v][ch], exp2_neg(vf_sub(vf_load(sv + ch * 16), mv)), vf_zero());
             l = vf_add(l, pv);
             vf_store(sv + ch * 16, pv);
+            if (pp) _mm256_storeu_si256((__m256i*)(pp + (v * SPAN + ch) * 8), f32x16_to_bf16(pv));
         }
         vf_store(ls + v * 16, l);
     }
@@ -434,22 +543,27 @@ SB_INLINE void softmax_span(int nv, int nch, float* s, const vmask (*vm)[SPAN], 
 /* ---- one work item ---------------------------------------------------------------------------- */
 
 /* Scratch floats of one thread for items of up to nh kv heads. */
-SB_INLINE long scratch_floats(int nh, int d) { return (long)nh * QT * (2L * d + 32) + QT * SPAN * 16; }
+SB_INLINE long scratch_floats(int nh, int d) {
+    return (long)nh * QT * (2L * d + 32) + QT * SPAN * (16 + 8);
+}
 
 SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* pf,
                         const int bf16) {
     const int esz = bf16 ? 2 : 4, d = a->d, G = a->hq / a->hkv, nh = it->h1 - it->h0;
+    const int pairs = PAIRS && bf16;
     const int nv = it->nv, b = it->b;
     const long row0 = a->qsl[b];
-    float* qt = ws;                        /* [nh][d][QT]: q times scale * log2(e) */
+    float* qt = ws; /* [nh][d][QT]: q times scale * log2(e); pairs: [nh][d / 2][QT] q's pairs */
     float* acc = qt + (long)nh * QT * d;   /* [nh][QT][d] */
     float* ls = acc + (long)nh * QT * d;   /* [nh][QT][16] */
     float* mx = ls + (long)nh * QT * 16;   /* [nh][QT] (padded to 16) */
     float* s = mx + (long)nh * QT * 16;    /* [QT][SPAN][16] */
+    uint32_t* pp = pairs ? (uint32_t*)(s + QT * SPAN * 16) : NULL; /* [QT][SPAN][8] */
     vis_t vis;
     vis.ctx = seq_ctx(a, b);
     for (int v = 0; v < nv; v++) row_vis(a, b, (it->v0 + v) / G, &vis.vend[v], &vis.tm[v]);
-    const vf scale = vf_set1(a->scale * 1.44269504088896341f);
+    const float sc = a->scale * 1.44269504088896341f;
+    const vf scale = vf_set1(sc);
     for (int h = 0; h < nh; h++)
         for (int v = 0; v < nv; v++) {
             const int r = (it->v0 + v) / G, head = (it->h0 + h) * G + (it->v0 + v) % G;
@@ -459,7 +573,12 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
             for (int i = 0; i < d; i += 16) {
                 float x[16] __attribute__((aligned(64)));
                 vf_store(x, vf_mul(load16(qr + (long)i * esz, 0xffff, bf16), scale));
-                for (int k = 0; k < 16; k++) qv[(i + k) * QT] = x[k];
+                if (pairs)
+                    for (int k = 0; k < 8; k++)
+                        memcpy((uint32_t*)qt + (long)h * QT * d + (i / 2 + k) * QT + v,
+                               qr + (long)(i + 2 * k) * 2, 4);
+                else
+                    for (int k = 0; k < 16; k++) qv[(i + k) * QT] = x[k];
                 vf_store(av + i, vf_zero());
             }
             vf_store(ls + ((long)h * QT + v) * 16, vf_zero());
@@ -490,11 +609,11 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
                 vb[ch] = a->v_cache + base * a->v_bytes + (long)ck[ch].c * d * esz;
             }
             float* acc_h = acc + (long)h * QT * d;
-            scores_span(nv, nch, qt + (long)h * QT * d, d, kb, krs, km, s, bf16);
-            softmax_span(nv, nch, s, (const vmask(*)[SPAN])vm, mx + h * QT, ls + (long)h * QT * 16,
-                         acc_h, d);
+            scores_span(nv, nch, qt + (long)h * QT * d, d, kb, krs, km, sc, s, bf16);
+            softmax_span(nv, nch, s, pp, (const vmask(*)[SPAN])vm, mx + h * QT,
+                         ls + (long)h * QT * 16, acc_h, d);
             pf_issue(pf, pf->step);
-            values_span(nv, nch, acc_h, d, s, vb, vrs, n, bf16);
+            values_span(nv, nch, acc_h, d, s, pp, vb, vrs, n, bf16);
             pf_issue(pf, pf->step);
         }
     }
