@@ -10,7 +10,8 @@ from REV's sources) take turns within each round; a cell is the median of the ro
 the keys and values read, over the time.
 
     OMP_NUM_THREADS=1 python benchmarks/attention_rows.py [--batch-sizes 1 8 64] \
-        [--contexts 128 512] [--query-rows 1 3 5] [--dtypes bfloat16] [--baseline REV]
+        [--contexts 128 512] [--query-rows 1 3 5] [--dtypes bfloat16] [--baseline REV] \
+        [--clock cpu]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -47,23 +49,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class Build:
-    """One build of the kernels: this tree's, or another revision's (``legacy``: before the
-    tree-mask argument)."""
+    """One build of the kernels: this tree's (``kernels``), or another revision's module (before
+    the tree-mask argument, when its info has no "tree")."""
 
     label: str
-    kernels: CpuKernels
-    legacy: bool
+    module: ModuleType
+    kernels: CpuKernels | None = None
 
     def attend(self, q, starts, lens, tables, kc, vc, scale: float) -> None:
-        if not self.legacy:
+        if self.kernels is not None:
             self.kernels.paged_attention(q, starts, lens, tables, kc, vc, scale)
             return
+        legacy = "tree" not in self.module.info()
         out = torch.empty_like(q)
-        self.kernels._m.paged_attention(
+        self.module.paged_attention(
             lens.shape[0], starts.data_ptr(), lens.data_ptr(), tables.data_ptr(),
             tables.stride(0), q.data_ptr(), q.stride(0), q.shape[1], kc.shape[1], q.shape[2],
             kc.data_ptr(), vc.data_ptr(), kc.shape[3], scale, out.data_ptr(),
-            int(q.dtype == torch.bfloat16),
+            *(() if legacy else (None,)), int(q.dtype == torch.bfloat16),
         )  # fmt: skip
 
 
@@ -76,8 +79,7 @@ def baseline_build(rev: str) -> Build:
     if archive.returncode != 0:
         sys.exit(f"error: --baseline: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    module = load_module(csrc=tmp / "specbatch" / "kernels" / "csrc")
-    return Build(rev, CpuKernels(module), "tree" not in module.info())
+    return Build(rev, load_module(csrc=tmp / "specbatch" / "kernels" / "csrc"))
 
 
 def target_shape() -> tuple[int, int, int, int]:
@@ -114,16 +116,19 @@ def queries_of(dtype: torch.dtype, batch: int, context: int, rows: int) -> tuple
     return q, starts, torch.full((batch,), context, dtype=torch.int64), tables
 
 
-def forward_ms(build: Build, caches, inputs, repeat: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def forward_ms(build: Build, caches, inputs, repeat: int, clock=time.perf_counter) -> float:
     q, starts, lens, tables = inputs
     scale = q.shape[-1] ** -0.5
     for kc, vc in caches:  # warm-up
         build.attend(q, starts, lens, tables, kc, vc, scale)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(repeat):
         for kc, vc in caches:
             build.attend(q, starts, lens, tables, kc, vc, scale)
-    return (time.perf_counter() - t0) / repeat * 1e3
+    return (clock() - t0) / repeat * 1e3
 
 
 def main() -> None:
@@ -134,6 +139,13 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--baseline", metavar="REV", help="also time the kernels of this git revision")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="cpu: the process's CPU time, which leaves out the time other processes take the "
+        "core (on a shared machine); with one thread, the time the kernels ran",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS_DIR / "attention_rows.json"))
     args = ap.parse_args()
@@ -141,11 +153,12 @@ def main() -> None:
     kernels = cpu_kernels()
     if kernels is None:
         sys.exit("error: the CPU kernels are not available here")
-    builds = [Build("this tree", kernels, False)]
+    builds = [Build("this tree", kernels._m, kernels)]
     if args.baseline:
         builds.append(baseline_build(args.baseline))
     layers, _, hkv, d = target_shape()
     paths = [(name, build) for name in args.dtypes for build in builds]
+    clock = CLOCKS[args.clock]
     times: dict[tuple[str, str, int, int, int], list[float]] = {}
     for b in args.batch_sizes:
         for c in args.contexts:
@@ -157,7 +170,7 @@ def main() -> None:
                 for r in args.query_rows:
                     for name, build in paths:
                         times.setdefault((name, build.label, b, c, r), []).append(
-                            forward_ms(build, caches[name], queries[(name, r)], repeat)
+                            forward_ms(build, caches[name], queries[(name, r)], repeat, clock)
                         )
             del caches
     median = {key: statistics.median(v) for key, v in times.items()}
@@ -184,7 +197,10 @@ def main() -> None:
                         new, base = (median[(name, x.label, b, c, r)] for x in builds)
                         row.append(f"{new / base:.2f}")
                 table.append(row)
-    print(f"ms for one forward's attention ({layers} layers; x: over {args.query_rows[0]} row)")
+    print(
+        f"ms ({args.clock} clock) for one forward's attention ({layers} layers; x: over "
+        f"{args.query_rows[0]} row)"
+    )
     print(format_table(heads, table))
     out = write_json(args.out, {"args": vars(args), "cells": cells, "machine": machine_info()})
     print(f"wrote {out}")

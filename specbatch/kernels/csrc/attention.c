@@ -138,28 +138,36 @@ typedef struct {
     int item, end, ci; /* the next span to prefetch: chunks ci .. of items[item]; items < end */
     const char* from[2 * SPAN];
     const char* to[2 * SPAN];
-    int n, k;  /* regions queued, the one issuing */
-    long step; /* lines per pf_issue */
+    int n, k;         /* regions queued, the next to issue */
+    const char* p;    /* the region issuing: its next line ... */
+    const char* e;    /* ... and its end */
+    int per_tick;     /* lines a pf_tick issues */
 } pf_t;
 
+/* up to `lines` lines of the queue */
 SB_INLINE void pf_issue(pf_t* pf, long lines) {
-    while (lines > 0 && pf->k < pf->n) {
-        const char* p = pf->from[pf->k];
-        const char* e = pf->to[pf->k];
-        if (e - p > lines * 64) e = p + lines * 64;
-        lines -= (e - p + 63) / 64;
-        for (; p < e; p += 64) _mm_prefetch(p, _MM_HINT_T1);
-        pf->from[pf->k] = p;
-        if (p >= pf->to[pf->k]) pf->k++;
+    for (; lines > 0; lines--) {
+        if (pf->p >= pf->e) {
+            if (pf->k >= pf->n) return;
+            pf->p = pf->from[pf->k];
+            pf->e = pf->to[pf->k++];
+        }
+        _mm_prefetch(pf->p, _MM_HINT_T1);
+        pf->p += 64;
     }
 }
 
+/* Called from the kernels' inner loops, so that the lines go out while they compute rather than
+ * in bursts that would stall the core on its fill buffers. */
+SB_INLINE void pf_tick(pf_t* pf) { pf_issue(pf, pf->per_tick); }
+
 /* Issues what is left of the queue, then queues the next span's blocks (their kv heads of the
- * item), to be issued in `parts` shares. */
-static void pf_next(pf_t* pf, int parts) {
+ * item), to be issued over about `ticks` pf_ticks. */
+static void pf_next(pf_t* pf, long ticks) {
     const attn_args* a = pf->a;
     pf_issue(pf, 1L << 40);
     pf->n = pf->k = 0;
+    pf->p = pf->e = NULL;
     long bytes = 0;
     while (pf->item < pf->end) {
         const item_t* it = &pf->items[pf->item];
@@ -186,7 +194,7 @@ static void pf_next(pf_t* pf, int parts) {
         pf->ci += SPAN;
         break;
     }
-    pf->step = (bytes / 64 + parts - 1) / parts;
+    pf->per_tick = (int)((bytes / 64 + ticks - 1) / ticks);
 }
 
 /* ---- the kernels on one span's chunks --------------------------------------------------------- */
@@ -226,7 +234,7 @@ SB_INLINE void key_dims(const char* kb, int i, long rs, vmask km, const int bf16
  * qt[i * QT + v]) and NCH chunks (key rows at kb[ch]), every sum as two chains (even, odd
  * dimensions). */
 SB_INLINE void scores_blk(const int NVG, const int NCH, const float* qt, int d,
-                          const char* const* kb, long rs, const vmask* km, float* s,
+                          const char* const* kb, long rs, const vmask* km, float* s, pf_t* pf,
                           const int bf16) {
     vf e[VGMAX][4], o[VGMAX][4]; /* fixed sizes (no VLA), so that they live in registers */
 #pragma GCC unroll 16
@@ -245,6 +253,7 @@ SB_INLINE void scores_blk(const int NVG, const int NCH, const float* qt, int d,
                 o[v][ch] = vf_fma(vf_set1(q2[QT + v]), ko, o[v][ch]);
             }
         }
+        pf_tick(pf);
     }
 #pragma GCC unroll 16
     for (int v = 0; v < NVG; v++)
@@ -259,7 +268,7 @@ SB_INLINE void scores_blk(const int NVG, const int NCH, const float* qt, int d,
  * row of pairs of keys). */
 SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const float* p,
                           const char* const* vb, long rs, const int* n, int nch, int i0,
-                          const int bf16) {
+                          pf_t* pf, const int bf16) {
     vf ev[VGMAX][4], od[VGMAX][4];
 #pragma GCC unroll 16
     for (int v = 0; v < NVG; v++)
@@ -287,6 +296,7 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
                     od[v][u] = vf_fma(vf_set1(pc[v * SPAN * 16 + 2 * jj + 1]), xo, od[v][u]);
                 }
             }
+            pf_tick(pf);
         }
         if (n[ch] & 1) { /* the last key's partner slot may never have been written */
             const int j = n[ch] - 1;
@@ -301,6 +311,7 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
                 for (int v = 0; v < NVG; v++)
                     ev[v][u] = vf_fma(vf_set1(pc[v * SPAN * 16 + j]), xe, ev[v][u]);
             }
+            pf_tick(pf);
         }
     }
 #pragma GCC unroll 16
@@ -314,16 +325,16 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
 #define SC(NVG, NCH)                                                                   \
     do {                                                                               \
         if (pairs)                                                                     \
-            scores_blk_pairs(NVG, NCH, (const uint32_t*)qt, d, kb, rs, km, sc, s);     \
+            scores_blk_pairs(NVG, NCH, (const uint32_t*)qt, d, kb, rs, km, sc, s, pf); \
         else                                                                           \
-            scores_blk(NVG, NCH, qt, d, kb, rs, km, s, bf16);                          \
+            scores_blk(NVG, NCH, qt, d, kb, rs, km, s, pf, bf16);                      \
     } while (0)
 #define VA(NVG, NDB)                                                                   \
     do {                                                                               \
         if (pairs)                                                                     \
-            values_blk_pairs(NVG, NDB, acc, d, pp, vb, rs, n, nch, i0);                \
+            values_blk_pairs(NVG, NDB, acc, d, pp, vb, rs, n, nch, i0, pf);            \
         else                                                                           \
-            values_blk(NVG, NDB, acc, d, p, vb, rs, n, nch, i0, bf16);                 \
+            values_blk(NVG, NDB, acc, d, p, vb, rs, n, nch, i0, pf, bf16);             \
     } while (0)
 #define BY_WIDTH(F, NVG, W) \
     do {                    \
@@ -364,7 +375,7 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
  * chunk, at pp[(v * SPAN + ch) * 8 + j]; even pairs in one sum, odd in the other). */
 SB_INLINE void scores_blk_pairs(const int NVG, const int NCH, const uint32_t* qp, int d,
                                 const char* const* kb, long rs, const vmask* km, float sc,
-                                float* s) {
+                                float* s, pf_t* pf) {
     vf acc[VGMAX][4];
 #pragma GCC unroll 16
     for (int v = 0; v < NVG; v++)
@@ -378,6 +389,7 @@ SB_INLINE void scores_blk_pairs(const int NVG, const int NCH, const uint32_t* qp
             for (int v = 0; v < NVG; v++)
                 acc[v][ch] = vf_dot_pairs(acc[v][ch], qp[i * QT + v], k);
         }
+        pf_tick(pf);
     }
 #pragma GCC unroll 16
     for (int v = 0; v < NVG; v++)
@@ -388,7 +400,7 @@ SB_INLINE void scores_blk_pairs(const int NVG, const int NCH, const uint32_t* qp
 
 SB_INLINE void values_blk_pairs(const int NVG, const int NDB, float* acc, int d,
                                 const uint32_t* pp, const char* const* vb, long rs, const int* n,
-                                int nch, int i0) {
+                                int nch, int i0, pf_t* pf) {
     vf ev[VGMAX][4], od[VGMAX][4];
 #pragma GCC unroll 16
     for (int v = 0; v < NVG; v++)
@@ -413,6 +425,8 @@ SB_INLINE void values_blk_pairs(const int NVG, const int NDB, float* acc, int d,
                     od[v][u] = vf_dot_pairs(od[v][u], pc[v * SPAN * 8 + jj + 1], x1);
                 }
             }
+            pf_tick(pf);
+            pf_tick(pf);
         }
         for (; jj < (n[ch] + 1) / 2; jj++) { /* an even pair, or the last key without partner */
             const int whole = jj < full;
@@ -428,6 +442,7 @@ SB_INLINE void values_blk_pairs(const int NVG, const int NDB, float* acc, int d,
                         ev[v][u] = vf_dot_pairs(ev[v][u], pc[v * SPAN * 8 + jj], x0);
                 }
             }
+            pf_tick(pf);
         }
     }
 #pragma GCC unroll 16
@@ -445,7 +460,8 @@ SB_INLINE int fit_width(int nvg, int left) {
 }
 
 SB_INLINE void scores_span(int nv, int nch, const float* qt0, int d, const char* const* kb0,
-                           long rs, const vmask* km0, float sc, float* s0, const int bf16) {
+                           long rs, const vmask* km0, float sc, float* s0, pf_t* pf,
+                           const int bf16) {
     const int pairs = PAIRS && bf16;
     const int groups = (nv + VGMAX - 1) / VGMAX;
     for (int g = 0, v0 = 0; g < groups; g++) {
@@ -465,7 +481,7 @@ SB_INLINE void scores_span(int nv, int nch, const float* qt0, int d, const char*
 
 SB_INLINE void values_span(int nv, int nch, float* acc0, int d, const float* p0,
                            const uint32_t* pp0, const char* const* vb, long rs, const int* n,
-                           const int bf16) {
+                           pf_t* pf, const int bf16) {
     const int pairs = PAIRS && bf16;
     const int groups = (nv + VGMAX - 1) / VGMAX;
     for (int g = 0, v0 = 0; g < groups; g++) {
@@ -480,6 +496,21 @@ SB_INLINE void values_span(int nv, int nch, float* acc0, int d, const float* p0,
         }
         v0 += nvg;
     }
+}
+
+/* the pf_ticks of scores_span and values_span on one kv head */
+SB_INLINE long span_ticks(int nv, int nch, const int* n, int d) {
+    const int groups = (nv + VGMAX - 1) / VGMAX;
+    int keypairs = 0;
+    for (int ch = 0; ch < nch; ch++) keypairs += (n[ch] + 1) / 2;
+    long t = 0;
+    for (int g = 0, v0 = 0; g < groups; g++) {
+        const int nvg = (nv - v0) / (groups - g);
+        for (int ch0 = 0; ch0 < nch; ch0 += fit_width(nvg, nch - ch0)) t += d / 2;
+        for (int i0 = 0; i0 < d; i0 += 16 * fit_width(nvg, (d - i0) / 16)) t += keypairs;
+        v0 += nvg;
+    }
+    return t;
 }
 
 /* 2^x for x <= 0, about 1e-7 relative (a degree-7 polynomial on the fraction in [-1/2, 1/2]),
@@ -588,7 +619,6 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
     const int total = num_chunks(a->bs, it->kend);
     const long krs = (long)a->bs * 4, vrs = (long)d * 4; /* bytes between key / value rows */
     for (int ci0 = 0; ci0 < total; ci0 += SPAN) {
-        pf_next(pf, 2 * nh);
         const int nch = total - ci0 < SPAN ? total - ci0 : SPAN;
         chunk_t ck[SPAN];
         vmask vm[QT][SPAN], km[SPAN];
@@ -600,6 +630,7 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
             for (int v = 0; v < nv; v++)
                 vm[v][ch] = chunk_mask(vis.ctx, vis.vend[v], vis.tm[v], ck[ch].pos, n[ch]);
         }
+        pf_next(pf, nh * span_ticks(nv, nch, n, d));
         for (int h = 0; h < nh; h++) {
             const char* kb[SPAN];
             const char* vb[SPAN];
@@ -609,12 +640,10 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
                 vb[ch] = a->v_cache + base * a->v_bytes + (long)ck[ch].c * d * esz;
             }
             float* acc_h = acc + (long)h * QT * d;
-            scores_span(nv, nch, qt + (long)h * QT * d, d, kb, krs, km, sc, s, bf16);
+            scores_span(nv, nch, qt + (long)h * QT * d, d, kb, krs, km, sc, s, pf, bf16);
             softmax_span(nv, nch, s, pp, (const vmask(*)[SPAN])vm, mx + h * QT,
                          ls + (long)h * QT * 16, acc_h, d);
-            pf_issue(pf, pf->step);
-            values_span(nv, nch, acc_h, d, s, pp, vb, vrs, n, bf16);
-            pf_issue(pf, pf->step);
+            values_span(nv, nch, acc_h, d, s, pp, vb, vrs, n, pf, bf16);
         }
     }
     for (int h = 0; h < nh; h++)
