@@ -230,10 +230,10 @@ SB_INLINE void key_dims(const char* kb, int i, long rs, vmask km, const int bf16
     }
 }
 
-/* s[v][ch] = q_v . keys of chunk ch, for NVG vectors (dimension i of q_v, times the scale, at
- * qt[i * QT + v]) and NCH chunks (key rows at kb[ch]), every sum as two chains (even, odd
- * dimensions). */
-SB_INLINE void scores_blk(const int NVG, const int NCH, const float* qt, int d,
+/* s[v][ch] = q_v . keys of chunk ch, for NVG vectors (q_v times the scale at qw + v * DMAX, so
+ * that every vector's address is a constant offset) and NCH chunks (key rows at kb[ch]), every
+ * sum as two chains (even, odd dimensions). */
+SB_INLINE void scores_blk(const int NVG, const int NCH, const float* qw, int d,
                           const char* const* kb, long rs, const vmask* km, float* s, pf_t* pf,
                           const int bf16) {
     vf e[VGMAX][4], o[VGMAX][4]; /* fixed sizes (no VLA), so that they live in registers */
@@ -242,15 +242,15 @@ SB_INLINE void scores_blk(const int NVG, const int NCH, const float* qt, int d,
 #pragma GCC unroll 4
         for (int ch = 0; ch < NCH; ch++) e[v][ch] = o[v][ch] = vf_zero();
     for (int i = 0; i < d / 2; i++) {
-        const float* q2 = qt + 2 * i * QT;
+        const float* q2 = qw + 2 * i;
 #pragma GCC unroll 4
         for (int ch = 0; ch < NCH; ch++) {
             vf ke, ko;
             key_dims(kb[ch], i, rs, km[ch], bf16, &ke, &ko);
 #pragma GCC unroll 16
             for (int v = 0; v < NVG; v++) {
-                e[v][ch] = vf_fma(vf_set1(q2[v]), ke, e[v][ch]);
-                o[v][ch] = vf_fma(vf_set1(q2[QT + v]), ko, o[v][ch]);
+                e[v][ch] = vf_fma(vf_set1(q2[v * DMAX]), ke, e[v][ch]);
+                o[v][ch] = vf_fma(vf_set1(q2[v * DMAX + 1]), ko, o[v][ch]);
             }
         }
         pf_tick(pf);
@@ -325,9 +325,9 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
 #define SC(NVG, NCH)                                                                   \
     do {                                                                               \
         if (pairs)                                                                     \
-            scores_blk_pairs(NVG, NCH, (const uint32_t*)qt, d, kb, rs, km, sc, s, pf); \
+            scores_blk_pairs(NVG, NCH, (const uint32_t*)qw, d, kb, rs, km, sc, s, pf); \
         else                                                                           \
-            scores_blk(NVG, NCH, qt, d, kb, rs, km, s, pf, bf16);                      \
+            scores_blk(NVG, NCH, qw, d, kb, rs, km, s, pf, bf16);                      \
     } while (0)
 #define VA(NVG, NDB)                                                                   \
     do {                                                                               \
@@ -371,7 +371,7 @@ SB_INLINE void values_blk(const int NVG, const int NDB, float* acc, int d, const
 #endif
 
 /* The dot-product forms of scores_blk (q's bfloat16 pairs, dimensions 2i and 2i + 1, at
- * qp[i * QT + v]; the sums times sc) and values_blk (p's bfloat16 pairs, keys 2j and 2j + 1 of a
+ * qp[v * DMAX + i]; the sums times sc) and values_blk (p's bfloat16 pairs, keys 2j and 2j + 1 of a
  * chunk, at pp[(v * SPAN + ch) * 8 + j]; even pairs in one sum, odd in the other). */
 SB_INLINE void scores_blk_pairs(const int NVG, const int NCH, const uint32_t* qp, int d,
                                 const char* const* kb, long rs, const vmask* km, float sc,
@@ -387,7 +387,7 @@ SB_INLINE void scores_blk_pairs(const int NVG, const int NCH, const uint32_t* qp
             bpairs k = bpairs_load((const uint16_t*)(kb[ch] + i * rs), km[ch]);
 #pragma GCC unroll 16
             for (int v = 0; v < NVG; v++)
-                acc[v][ch] = vf_dot_pairs(acc[v][ch], qp[i * QT + v], k);
+                acc[v][ch] = vf_dot_pairs(acc[v][ch], qp[v * DMAX + i], k);
         }
         pf_tick(pf);
     }
@@ -459,7 +459,7 @@ SB_INLINE int fit_width(int nvg, int left) {
     return w;
 }
 
-SB_INLINE void scores_span(int nv, int nch, const float* qt0, int d, const char* const* kb0,
+SB_INLINE void scores_span(int nv, int nch, const float* qw0, int d, const char* const* kb0,
                            long rs, const vmask* km0, float sc, float* s0, pf_t* pf,
                            const int bf16) {
     const int pairs = PAIRS && bf16;
@@ -468,7 +468,7 @@ SB_INLINE void scores_span(int nv, int nch, const float* qt0, int d, const char*
         const int nvg = (nv - v0) / (groups - g);
         for (int ch0 = 0; ch0 < nch;) {
             const int w = fit_width(nvg, nch - ch0);
-            const float* qt = qt0 + v0;
+            const float* qw = qw0 + v0 * DMAX;
             const char* const* kb = kb0 + ch0;
             const vmask* km = km0 + ch0;
             float* s = s0 + (v0 * SPAN + ch0) * 16;
@@ -575,7 +575,7 @@ SB_INLINE void softmax_span(int nv, int nch, float* s, uint32_t* pp, const vmask
 
 /* Scratch floats of one thread for items of up to nh kv heads. */
 SB_INLINE long scratch_floats(int nh, int d) {
-    return (long)nh * QT * (2L * d + 32) + QT * SPAN * (16 + 8);
+    return (long)nh * QT * (DMAX + d + 32) + QT * SPAN * (16 + 8);
 }
 
 SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* pf,
@@ -584,8 +584,8 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
     const int pairs = PAIRS && bf16;
     const int nv = it->nv, b = it->b;
     const long row0 = a->qsl[b];
-    float* qt = ws; /* [nh][d][QT]: q times scale * log2(e); pairs: [nh][d / 2][QT] q's pairs */
-    float* acc = qt + (long)nh * QT * d;   /* [nh][QT][d] */
+    float* qw = ws; /* [nh][QT][DMAX]: q times scale * log2(e); pairs: q's pairs */
+    float* acc = qw + (long)nh * QT * DMAX; /* [nh][QT][d] */
     float* ls = acc + (long)nh * QT * d;   /* [nh][QT][16] */
     float* mx = ls + (long)nh * QT * 16;   /* [nh][QT] (padded to 16) */
     float* s = mx + (long)nh * QT * 16;    /* [QT][SPAN][16] */
@@ -599,17 +599,11 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
         for (int v = 0; v < nv; v++) {
             const int r = (it->v0 + v) / G, head = (it->h0 + h) * G + (it->v0 + v) % G;
             const char* qr = a->q + ((row0 + r) * a->ldq + (long)head * d) * esz;
-            float* qv = qt + (long)h * QT * d + v;
+            float* qv = qw + ((long)h * QT + v) * DMAX;
             float* av = acc + ((long)h * QT + v) * d;
+            if (pairs) memcpy(qv, qr, (size_t)d * 2);
             for (int i = 0; i < d; i += 16) {
-                float x[16] __attribute__((aligned(64)));
-                vf_store(x, vf_mul(load16(qr + (long)i * esz, 0xffff, bf16), scale));
-                if (pairs)
-                    for (int k = 0; k < 8; k++)
-                        memcpy((uint32_t*)qt + (long)h * QT * d + (i / 2 + k) * QT + v,
-                               qr + (long)(i + 2 * k) * 2, 4);
-                else
-                    for (int k = 0; k < 16; k++) qv[(i + k) * QT] = x[k];
+                if (!pairs) vf_store(qv + i, vf_mul(load16(qr + (long)i * esz, 0xffff, bf16), scale));
                 vf_store(av + i, vf_zero());
             }
             vf_store(ls + ((long)h * QT + v) * 16, vf_zero());
@@ -640,7 +634,7 @@ SB_INLINE void run_item(const attn_args* a, const item_t* it, float* ws, pf_t* p
                 vb[ch] = a->v_cache + base * a->v_bytes + (long)ck[ch].c * d * esz;
             }
             float* acc_h = acc + (long)h * QT * d;
-            scores_span(nv, nch, qt + (long)h * QT * d, d, kb, krs, km, sc, s, pf, bf16);
+            scores_span(nv, nch, qw + (long)h * QT * DMAX, d, kb, krs, km, sc, s, pf, bf16);
             softmax_span(nv, nch, s, pp, (const vmask(*)[SPAN])vm, mx + h * QT,
                          ls + (long)h * QT * 16, acc_h, d);
             values_span(nv, nch, acc_h, d, s, pp, vb, vrs, n, pf, bf16);
