@@ -61,9 +61,7 @@ def _compiler() -> str:
     return cc
 
 
-def library_path(
-    avx2_only: bool = False, csrc: Path = CSRC, defines: tuple[str, ...] = ()
-) -> Path:
+def library_path(avx2_only: bool = False, csrc: Path = CSRC, defines: tuple[str, ...] = ()) -> Path:
     """Where the library for this machine lives; built there first if it is not.
     ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512; ``csrc`` is the folder
     of the sources (another version of them, for a benchmark's A/B); ``defines`` are macros
