@@ -14,7 +14,13 @@ import torch
 from specbatch.kernels.cpu import CpuKernels
 from specbatch.model.layers.attention import TorchAttentionBackend, write_kv
 from specbatch.model.layers.cpu_attention import CpuAttentionBackend
-from specbatch.model.layers.tree_mask import TREE_ROWS, paged_attention_reference, tree_bits
+from specbatch.model.layers.tree_mask import (
+    TREE_ROWS,
+    causal_tree_mask,
+    check_tree_mask,
+    paged_attention_reference,
+    tree_bits,
+)
 from tests.helpers import random_paged_batch
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -193,3 +199,27 @@ def test_attention_reads_each_sequence_own_slots(attn_kern: CpuKernels) -> None:
     expected = torch.zeros_like(changed)
     expected[row, :2] = True
     assert torch.equal(changed, expected)
+
+
+def test_tree_mask_helpers_and_their_errors(attn_kern: CpuKernels) -> None:
+    assert attn_kern.tree_rows == TREE_ROWS
+    # a root, its two children, a grandchild under the second child
+    assert tree_bits([-1, 0, 0, 2]) == [0b1, 0b11, 0b101, 0b1101]
+    assert causal_tree_mask([3, 1]).tolist() == [0b1, 0b11, 0b111, 0b1]
+    assert causal_tree_mask([65])[-1].item() == 0  # too long for a mask: causal, entries unused
+    with pytest.raises(ValueError, match="token 2's parent"):
+        tree_bits([-1, 0, 2])
+    check_tree_mask(torch.tensor([*tree_bits([-1, 0, 0]), 1]), [3, 1])
+    with pytest.raises(ValueError, match="row 1 must see itself"):
+        check_tree_mask(torch.tensor([0b1, 0b01, 0b1]), [2, 1])
+    with pytest.raises(ValueError, match="row 0 must see itself and only the 1 new tokens"):
+        check_tree_mask(torch.tensor([0b11]), [1])
+    with pytest.raises(ValueError, match="tree_mask must be int64"):
+        check_tree_mask(torch.tensor([1, 3], dtype=torch.int32), [2])
+    q, _, _, kc, vc, meta, _ = random_paged_batch([2], [5], 4, 4, 2, 16)
+    kc, vc = to_cpu_layout(kc, vc)
+    with pytest.raises(ValueError, match="tree_mask must be int64"):
+        attn_kern.paged_attention(
+            q, meta.query_start_loc, meta.seq_lens, meta.block_tables, kc, vc, 0.25,
+            torch.tensor([1, 3], dtype=torch.int32),
+        )  # fmt: skip
