@@ -203,9 +203,7 @@ class DraftController:
         self.last = Plan(plan, best)
         return plan
 
-    def _runner_up(
-        self, counts: Counts, alphas: Alphas, prompt_rows: int, plan: Shapes
-    ) -> Shapes:
+    def _runner_up(self, counts: Counts, alphas: Alphas, prompt_rows: int, plan: Shapes) -> Shapes:
         """The best plan that differs from ``plan`` in the largest class's shape, unless it is
         expected to lose more than a tenth of a token a request (then ``plan`` again)."""
         c = max(counts, key=lambda c: counts[c])

@@ -56,9 +56,8 @@ class CpuAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.tree_starts is not None:
-            raise NotImplementedError("draft trees: the CPU attention kernel takes no tree mask")
         self.kernels.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
         return self.kernels.paged_attention(
-            q, meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache, v_cache, scale
-        )
+            q, meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache, v_cache, scale,
+            meta.tree_masks, meta.tree_starts,
+        )  # fmt: skip
