@@ -184,3 +184,47 @@ def test_after_tree_rounds_the_cache_holds_the_accepted_path(pair, backend):
     assert tokens_t[:n] == tokens_p[:n] and n > len(prompt) + 4
     for a, b in zip(rows_t, rows_p, strict=True):
         torch.testing.assert_close(a[:n], b[:n], atol=1e-5, rtol=1e-5)
+
+
+def test_ngram_trie_of_several_matches():
+    from specbatch.worker.ngram_proposer import NgramIndex
+
+    ix = NgramIndex(1, 2)
+    ix.extend([7, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2, 3, 6, 1, 2])
+    # the suffix [1, 2] was followed by 3 6, 4 5, 3 9 (latest first); [2] by the same
+    tokens, parents = ix.propose_tree(depth=2, topk=2, nodes=5)
+    assert tokens == [3, 6, 4, 5, 9] and parents == [0, 1, 0, 3, 1]
+    assert ix.propose_tree(depth=2, topk=1, nodes=5) == ([3, 6], [0, 1])  # a chain
+    assert ix.propose_tree(depth=1, topk=4, nodes=8) == ([3, 4], [0, 0])
+
+
+def ngram(pair, **spec) -> LLM:
+    config = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2, **TREE, **spec}
+    return LLM(str(pair[0]), speculative_config=config, max_num_seqs=256, num_kv_blocks=1024,
+               block_size=4, seed=8, max_model_len=64)  # fmt: skip
+
+
+def test_ngram_trees_sample_the_targets_law(pair):
+    llm = ngram(pair)
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)] * N
+    samples = sample_sequences(llm, params)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and spec.accepted > 0
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
+
+
+def test_greedy_ngram_trees_equal_transformers(make_checkpoint):
+    target = make_checkpoint("llama", seed=11)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [1, 2, 3] * 5, [100, 200, 30, 40, 100, 200]]
+    ref = hf_greedy(target, prompts, 24)
+    for backend in BACKENDS:
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "topk": 3, "num_draft_tokens": 8}
+        llm = LLM(str(target), speculative_config=spec, attention_backend=backend,
+                  num_kv_blocks=64, block_size=4, max_model_len=128)  # fmt: skip
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
