@@ -32,7 +32,7 @@ class EngineMetrics:
             r = result.results.get(sr.request_id)
             if r is not None:
                 self.num_generated_tokens += len(r.token_ids)
-                self.spec.record(r.num_proposed, r.num_accepted)
+                self.spec.record(r.num_proposed, r.num_accepted, r.rejected)
                 self.draft_length_counts[sr.num_draft] += 1
 
     def summary(self) -> dict[str, float | int | list[float] | None]:
