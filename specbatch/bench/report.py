@@ -175,7 +175,9 @@ def _by_draft(cells: Sequence[CellResult]) -> dict[Draft, list[CellResult]]:
 def _curve_label(draft: Draft) -> str:
     if draft == PLAIN:
         return "plain (k=0)"
-    if draft == "auto" or draft.is_chain:
+    if draft == "auto":
+        return "auto"
+    if draft.is_chain:
         return f"k={draft}"
     return f"tree {draft}"
 
