@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specbatch.bench.drafts import Draft, is_tree, speculative_keys
+from specbatch.bench.drafts import PLAIN, Draft, is_tree, speculative_keys
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
@@ -34,7 +34,7 @@ def build_engine(cfg: BenchConfig, draft: Draft, max_seqs: int) -> LLMEngine:
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
     draft_tp = kwargs.pop("draft_tensor_parallel_size", None)
-    if draft == "auto" or draft.nodes > 0:
+    if draft != PLAIN:
         spec = drafter(cfg) | speculative_keys(draft, cfg.auto_shape, cfg.tree_children)
         if draft_tp is not None:
             spec["draft_tensor_parallel_size"] = draft_tp

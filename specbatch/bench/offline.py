@@ -177,10 +177,10 @@ class BenchConfig:
     @property
     def lookahead(self) -> int:
         """Slots past a request's last token that any cell's drafts may take."""
-        shapes = [d for d in self.drafts if d != "auto"]
+        shapes = [d for d in self.drafts if isinstance(d, DraftShape)]
         if "auto" in self.drafts:
             shapes.append(self.auto_shape)
-        return max(s.lookahead for s in shapes)  # type: ignore[union-attr]
+        return max(s.lookahead for s in shapes)
 
     @property
     def max_output_len(self) -> int:
