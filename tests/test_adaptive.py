@@ -264,19 +264,19 @@ def test_engine_args_accept_auto(pair):  # noqa: F811
 
 
 def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
-    from specbatch.bench.offline import AUTO, BenchConfig, run_bench
+    from specbatch.bench.offline import BenchConfig, run_bench
     from specbatch.bench.report import format_report, format_table
     from specbatch.entrypoints.cli import build_parser
 
     target = make_checkpoint("llama", num_layers=2, seed=0)
     draft = make_checkpoint("llama", num_layers=1, seed=1)
     ns = build_parser().parse_args(["bench", "--draft-lengths", "0", "2", "auto"])
-    assert ns.draft_lengths == [0, 2, AUTO]
+    assert ns.draft_lengths == [0, 2, "auto"]
     cfg = BenchConfig(
         model=str(target),
         draft_model=str(draft),
         batch_sizes=[1, 4],
-        draft_lengths=[0, 2, AUTO],
+        draft_lengths=[0, 2, "auto"],
         input_len=8,
         output_len=12,
         num_requests=4,
@@ -284,19 +284,19 @@ def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
         engine_kwargs={"device": "cpu"},
     )
     result = run_bench(cfg, progress=False)
-    assert [(c.batch_size, c.draft_length) for c in result.cells] == [
-        (b, k) for b in (1, 4) for k in (0, 2, AUTO)
+    assert [(c.batch_size, str(c.draft)) for c in result.cells] == [
+        (b, k) for b in (1, 4) for k in ("0", "2", "auto")
     ]
     for c in result.cells:
         assert c.output_tokens == 4 * 12 == c.engine_generated_tokens
-        if c.draft_length == AUTO:
+        if c.draft == "auto":
             assert c.measured_speedup is not None and c.measured_speedup > 0
             assert c.mean_draft_length is None or c.mean_draft_length <= 2
     against = result.summary["auto_vs_fixed"]
     assert sorted(against) == ["1", "4"]
-    assert all(r["best_fixed"] in (0, 2) for r in against.values())
+    assert all(r["best_fixed"] in ("0", "2") for r in against.values())
     assert all(len(r["round_tok_ratios"]) == 1 for r in against.values())
-    assert "auto against the best fixed draft length" in format_report(result)
+    assert "auto against the best fixed cell" in format_report(result)
     table = format_table(result.cells)
     assert sum(line.split()[1] == "auto" for line in table.splitlines()[2:]) == 2
 
