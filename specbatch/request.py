@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import PositionLogprobs
@@ -129,6 +131,7 @@ class Request:
     prompt: str | None = None
     seed: int = 0  # the seed of this request's generator (its own, or derived from the engine's)
     arrival_time: float = field(default_factory=time.monotonic)
+    grammar: Future[Any] | None = None  # a structured output's grammar, compiled or compiling
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -174,3 +177,8 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def grammar_pending(self) -> bool:
+        """Its grammar is still being compiled (it cannot run yet)."""
+        return self.grammar is not None and not self.grammar.done()

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from specbatch.errors import InvalidInputError
+from specbatch.structured_outputs import StructuredOutputsParams
 
 _EPS_GREEDY = 1e-5  # temperatures below this are treated as greedy, as vLLM does
 MAX_LOGPROBS = 20  # the most top alternatives a token's logprobs may list (OpenAI's limit)
@@ -29,6 +30,8 @@ class SamplingParams:
     EOS and ``stop_token_ids`` (and ignores stop strings) until that many tokens were generated.
     ``logprobs=K`` returns each generated token's log-probability with the K most likely tokens
     at its position; ``prompt_logprobs=K`` the same for the prompt's tokens (the first has none).
+    ``structured_outputs`` (a ``StructuredOutputsParams`` or a dict of its fields) constrains the
+    output to a JSON schema, a regex, a choice or a grammar; the grammar's end ends the output.
     """
 
     temperature: float = 1.0
@@ -49,6 +52,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +104,13 @@ class SamplingParams:
                 self._check_int(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise InvalidInputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            if self.min_tokens:
+                raise InvalidInputError(
+                    f"min_tokens must be 0 with structured_outputs (the grammar decides where "
+                    f"the output ends), got {self.min_tokens}"
+                )
         if self.temperature < _EPS_GREEDY:
             self.temperature = 0.0
         self._stop = self._normalise_stop(self.stop)

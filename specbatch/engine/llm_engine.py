@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from specbatch.config import EngineArgs, EngineConfig
 from specbatch.drafters import DRAFTERS
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError, InvalidInputError
+from specbatch.grammar.compiler import GrammarCompilerPool
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.outputs import (
     CompletionOutput,
@@ -30,6 +34,8 @@ from specbatch.tokenizer import encode_text, eos_token_ids, load_tokenizer, max_
 from specbatch.worker.executor import Executor, UniprocExecutor
 
 PromptInput = str | dict[str, Any] | list[int]
+GRAMMAR_WAIT_S = 0.05  # the longest an idle step waits for a grammar to compile
+logger = logging.getLogger(__name__)
 
 
 def create_executor(config: EngineConfig) -> Executor:
@@ -60,6 +66,9 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.grammars = GrammarCompilerPool(
+            self.tokenizer, config.target.vocab_size, self.eos_token_ids
+        )
         self.stop_checker = StopChecker(self.tokenizer)
         policy: SpeculationPolicy = FixedDraft(config.draft_shape)
         kind = DRAFTERS.get(config.spec_method)
@@ -158,6 +167,8 @@ class LLMEngine:
         the tokenizer and the configuration: safe on another thread than the engine's."""
         if params.stop_strings and self.tokenizer is None:
             raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         return self.prepare_prompt(prompt, field, add_special_tokens)
 
     def add_request(
@@ -187,6 +198,9 @@ class LLMEngine:
         seed = params.seed
         if seed is None:  # derived from the engine's seed: reproducible from run to run
             seed = (self.config.seed * 1_000_003 + next(self._seeds)) % 2**63
+        grammar = None
+        if params.structured_outputs is not None:  # compiled off the step loop
+            grammar = self.grammars.compile(params.structured_outputs)
         members = []
         for i in range(params.n):
             # the prompt's logprobs come with the first completion only
@@ -199,6 +213,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 prompt=text,
                 seed=seed if not i else (seed * 1_000_003 + i) % 2**63,
+                grammar=grammar,
             )
             self.scheduler.add_request(member, fork_of=rid if i else None)
             members.append(member)
@@ -231,22 +246,44 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that emitted tokens or finished."""
         start = time.perf_counter()
+        failed = self._drop_failed_grammars()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self.scheduler.has_unfinished():
+            pending = [r.grammar for r in self.scheduler.waiting_for_grammars() if r.grammar]
+            if pending:  # nothing runs until a grammar is compiled
+                wait_futures(pending, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            elif self.scheduler.has_unfinished() and not failed:
                 raise EngineError("the scheduler could not schedule any waiting request")
-            return []
+            return failed
         result = self.executor.execute(plan)
         touched = self.scheduler.update(plan, result)
         seconds = time.perf_counter() - start
         self.scheduler.policy.observe(plan, result, seconds)
         self.metrics.on_step(plan, result, seconds)
+        return failed + self._outputs_of(touched)
+
+    def _outputs_of(self, touched: list[Request]) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
         for req in touched:
             rid = self._group_of.get(req.request_id, req.request_id)
             if rid not in outputs:
                 outputs[rid] = self._output(rid, req)
         return list(outputs.values())
+
+    def _drop_failed_grammars(self) -> list[RequestOutput]:
+        """Finish (as aborted) the waiting requests whose grammar failed to compile."""
+        failed = [
+            r
+            for r in self.scheduler.waiting_for_grammars()
+            if r.grammar is not None and r.grammar.done()
+        ]
+        if not failed:
+            return []
+        for r in failed:
+            assert r.grammar is not None
+            logger.error("request %s: its grammar failed to compile: %s", r.request_id,
+                         r.grammar.exception())  # fmt: skip
+        return self._outputs_of(self.scheduler.abort([r.request_id for r in failed]))
 
     def _completion(self, req: Request, index: int) -> CompletionOutput:
         """A completion as it stands (its final form once it finished)."""
@@ -349,4 +386,5 @@ class LLMEngine:
         return self.kv_cache.num_blocks
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
+from specbatch.grammar.backend import CompiledGrammarRef
 from specbatch.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class NewRequestData:
     seed: int
     prompt_token_ids: list[int] = field(default_factory=list)
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, for min_tokens
+    grammar: CompiledGrammarRef | None = None  # a structured output's compiled grammar
 
 
 @dataclass
@@ -70,13 +72,15 @@ class RequestStepResult:
     """Per scheduled request that sampled: tokens emitted, drafts accepted, and drafts the
     drafter proposed (at most the request's ``num_draft``; an n-gram lookup may find none);
     ``rejected``: the round ended at a rejected draft (not at the end of its chain or at a
-    tree's leaf); with ``logprobs``, one entry per emitted token."""
+    tree's leaf); with ``logprobs``, one entry per emitted token; ``grammar_done``: the
+    request's grammar ended with its last token (the output is complete)."""
 
     token_ids: list[int]
     num_accepted: int
     num_proposed: int
     logprobs: list[PositionLogprobs] | None = None
     rejected: bool | None = None  # None: num_accepted < num_proposed (a chain)
+    grammar_done: bool = False
 
 
 @dataclass

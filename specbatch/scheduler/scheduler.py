@@ -113,6 +113,11 @@ class Scheduler:
             aborted.append(req)
         return aborted
 
+    def waiting_for_grammars(self) -> list[Request]:
+        """The waiting requests whose grammar is still compiling or failed to compile."""
+        return [r for r in self.waiting if r.grammar is not None and (
+            r.grammar_pending or r.grammar.exception() is not None)]  # fmt: skip
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or any(self._forks.values()))
 
@@ -170,7 +175,12 @@ class Scheduler:
         if sp.min_tokens and not sp.ignore_eos:
             banned.extend(sorted(req.eos_token_ids))
         return NewRequestData(
-            req.request_id, sp, req.seed, req.prompt_token_ids, banned if sp.min_tokens else []
+            req.request_id,
+            sp,
+            req.seed,
+            req.prompt_token_ids,
+            banned if sp.min_tokens else [],
+            req.grammar.result() if req.grammar is not None else None,
         )
 
     def _draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
@@ -268,10 +278,23 @@ class Scheduler:
         return rows + min(budget, waiting)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
-        """Admit waiting requests in order while blocks, sequence slots and budget last. A
-        waiting request holds no block: a fork takes its share of its source's blocks here."""
+        """Admit waiting requests in order while blocks, sequence slots and budget last; one
+        whose grammar is still compiling keeps its place and is passed over. A waiting request
+        holds no block: a fork takes its share of its source's blocks here."""
+        passed: list[Request] = []
+        try:
+            self._admit_ready(chosen, budget, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_ready(
+        self, chosen: list[tuple[Request, int]], budget: int, passed: list[Request]
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar_pending:
+                passed.append(self.waiting.popleft())
+                continue
             shared = self._share_source_blocks(req)
             n = min(self._to_compute(req), budget)
             if not self.kv.allocate(req.request_id, req.num_computed + n):
@@ -324,15 +347,15 @@ class Scheduler:
                 self._add_prompt_logprobs(req, *result.prompt_logprobs[sr.request_id])
             base = sr.target_start + len(sr.target_token_ids)
             drafted_into = sr.draft_start + len(sr.draft_token_ids)
-            if self.draft_input == "tokens" and sr.shape.is_chain:
-                # a draft model keeps the K/V of its chain's drafts (an EAGLE head keeps only
-                # the target's positions; a tree's drafts sit in slots of their own)
-                drafted_into += max(sr.num_draft - 1, 0)
             if not sr.sample:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)
                 continue
             r = result.results[sr.request_id]
+            if self.draft_input == "tokens" and sr.shape.is_chain:
+                # a draft model keeps the K/V of its chain's drafts but the last (an EAGLE head
+                # keeps only the target's positions; a tree's drafts sit in slots of their own)
+                drafted_into += max(min(sr.num_draft, r.num_proposed) - 1, 0)
             req.num_computed = base + r.num_accepted
             req.num_draft_computed = min(drafted_into, req.num_computed)
             if req.request_id in self._forks:
@@ -353,6 +376,8 @@ class Scheduler:
                     req.output_logprobs.append(r.logprobs[k])
                 if self.stop_checker.append(req, tok):
                     break
+            if r.grammar_done and req.finish_reason is None:
+                req.finish_reason = FinishReason.STOP  # the structured output is complete
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)

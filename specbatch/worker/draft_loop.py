@@ -107,8 +107,7 @@ def grow(
     assert all(s.topk == topk for s in shapes), "a step drafts one number of children per node"
     parents = None
     if topk == 1:
-        tokens, probs = _chain(step, roots, forward, block_size, [s.depth for s in shapes])
-        counts = [s.depth for s in shapes]
+        tokens, probs, counts = _chain(step, roots, forward, block_size, [s.depth for s in shapes])
     else:
         g = _Grower(step, roots, forward, block_size, topk, sampled and not step.greedy)
         g.run(max(s.depth for s in shapes), [s.depth for s in shapes])
@@ -133,9 +132,10 @@ def grow(
 
 def _chain(
     step: DraftRound, roots: Roots, forward: DraftPass, block_size: int, depths: list[int]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """Chains: each request's draft d drawn from q (its argmax, greedy) at the one before.
-    Returns tokens [A, D] and, for sampled steps, q [A, D, V] (q of draft d + 1 at column d)."""
+    Returns tokens [A, D], for sampled steps q [A, D, V] (q of draft d + 1 at column d), and
+    each request's drafts (its depth, or fewer where its grammar ended)."""
     device = roots.logits.device
     a, top = len(roots.index), max(depths)
     tokens = torch.zeros(a, top, dtype=torch.int64, device=device)
@@ -144,8 +144,14 @@ def _chain(
     index = torch.tensor(roots.index, dtype=torch.int64, device=device)
     rows = torch.arange(a, device=device)
     logits, state = roots.logits, roots.state
+    grammars = step.grammars
+    drafted: list[list[int]] = [[] for _ in range(a)]  # host copies, for the grammars
+    counts = list(depths)
     for d in range(1, top + 1):
         who = index[rows]
+        if grammars is not None:
+            owners = [roots.index[i] for i in live]
+            logits = grammars.mask(logits, owners, [drafted[i] for i in live])
         if step.penalties is not None:
             before = torch.full_like(who, d - 1)
             logits = step.penalties.apply(logits, who, tokens[rows, : d - 1], before)
@@ -157,7 +163,12 @@ def _chain(
             x = sample(q, step.uniforms[who, d - 1])
             probs[rows, d - 1] = q
         tokens[rows, d - 1] = x
-        keep = [k for k, i in enumerate(live) if depths[i] > d]
+        if grammars is not None:  # a request whose grammar ended drafts no further
+            for i, t in zip(live, x.tolist(), strict=True):
+                drafted[i].append(t)
+                if counts[i] > d and grammars.ends(roots.index[i], drafted[i]):
+                    counts[i] = d
+        keep = [k for k, i in enumerate(live) if counts[i] > d]
         if not keep:
             break
         if len(keep) < len(live):
@@ -168,7 +179,7 @@ def _chain(
         base = [roots.base[i] for i in live]
         inputs = beam_inputs(base, roots.tables.index_select(0, rows), d, 1, block_size, x)
         state, logits = step.timed(len(live), lambda: forward(x, state, inputs))  # noqa: B023
-    return tokens, probs
+    return tokens, probs, counts
 
 
 def beam_inputs(
@@ -246,7 +257,7 @@ class _Grower:
         for d in range(1, max_depth + 1):
             kb = beam.shape[1]
             live = depth_of >= d  # [A]
-            q = self._q(logits.reshape(a * kb, -1), paths.reshape(a * kb, -1), kb)  # [A*kb, V]
+            q = self._q(logits.reshape(a * kb, -1), paths.reshape(a * kb, -1), kb, live)
             first = self.token.shape[1] + 1  # id of the first candidate of this depth
             kids, kid_q = self._children(q, kb)  # [A*kb, K] each
             k = kids.shape[1]
@@ -280,10 +291,17 @@ class _Grower:
             state, flat_logits = self._pass(beam, beam_bits, parent_state, d, depth_of > d)
             logits = flat_logits.view(a, self.topk, -1)
 
-    def _q(self, logits: torch.Tensor, paths: torch.Tensor, kb: int) -> torch.Tensor | None:
-        """q at each beam node [A*kb, V] (penalised with its path), or None (all greedy); keeps
-        the penalised logits in ``self._logits``."""
+    def _q(
+        self, logits: torch.Tensor, paths: torch.Tensor, kb: int, live: torch.Tensor
+    ) -> torch.Tensor | None:
+        """q at each beam node [A*kb, V] (masked by its grammar after its path and penalised
+        with it), or None (all greedy); keeps the processed logits in ``self._logits``."""
         step = self.step
+        if step.grammars is not None:  # the rows of requests drafting this deep
+            alive = live.tolist()
+            owners = [b if ok else None for b, ok in zip(self.roots.index, alive, strict=True)]
+            rows = [b for b in owners for _ in range(kb)]
+            logits = step.grammars.mask(logits, rows, paths.tolist())
         if step.penalties is not None:
             who = self.index.repeat_interleave(kb)
             before = torch.full_like(who, paths.shape[1])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
@@ -19,6 +19,9 @@ from specbatch.draft_shape import DraftShape
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
 from specbatch.worker.penalties import Penalties
+
+if TYPE_CHECKING:
+    from specbatch.worker.grammar_masks import StepGrammars
 
 T = TypeVar("T")
 
@@ -34,6 +37,7 @@ class DraftRound:
     uniforms: torch.Tensor  # [len(sampling), W]: each request's draws for drafting
     greedy: bool  # every request of ``sampling`` is greedy
     penalties: Penalties | None = None  # the histories of ``sampling``, if any is penalised
+    grammars: StepGrammars | None = None  # the grammars of ``sampling``, if any has one
     passes: list[tuple[str, int, float]] = field(default_factory=list)  # the drafter's, timed
 
     def timed(self, rows: int, run: Callable[[], T]) -> T:

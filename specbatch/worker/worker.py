@@ -10,7 +10,8 @@
    (``rejection_sampler`` for chains, ``tree_verify`` for trees); a tree's accepted nodes are
    moved into consecutive cache slots, as if a chain of them had been verified.
 Penalties (penalties.py) change the logits of both models at every position they sample or
-verify; logprobs are the target's at each emitted token, never the draft's.
+verify, and so do grammars (grammar_masks.py: structured outputs); logprobs are the target's at
+each emitted token, never the draft's.
 Rollback is not done here: the scheduler moves each model's progress counter back.
 """
 
@@ -25,6 +26,7 @@ from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.draft_shape import DraftShape
 from specbatch.drafters import DRAFTERS
+from specbatch.grammar.backend import CompiledGrammarRef, worker_tokenizer_info, xgrammar
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import (
     RequestStepResult,
@@ -33,6 +35,7 @@ from specbatch.scheduler.output import (
     StepResult,
 )
 from specbatch.worker.drafters import make_drafter
+from specbatch.worker.grammar_masks import RequestGrammar, StepGrammars
 from specbatch.worker.logprobs import emitted_logprobs, position_logprobs
 from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.penalties import History, Penalties
@@ -42,6 +45,8 @@ from specbatch.worker.round_layout import RoundLayout
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
 from specbatch.worker.tree_verify import verify_tree
 
+GRAMMARS_KEPT = 512  # compiled grammars a worker keeps
+
 
 @dataclass
 class _RequestState:
@@ -49,6 +54,7 @@ class _RequestState:
     generator: torch.Generator
     prompt_token_ids: list[int]
     history: History | None  # only for a penalised request
+    grammar: RequestGrammar | None  # only for a structured output
 
 
 @dataclass
@@ -82,6 +88,8 @@ class Worker:
             config.tree_children == "sampled" and kind is not None and (kind.samples)
         )
         self._states: dict[str, _RequestState] = {}
+        self._grammar_info: object = None  # xgrammar's tokenizer info, read on first use
+        self._compiled: dict[str, object] = {}  # grammar key -> compiled grammar, on a Ray rank
 
     # ---- set-up ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -119,14 +127,20 @@ class Worker:
         greedy = all(sp.greedy for sp in params)
         draft_u, verify_u = self._draw_uniforms(sampling, shapes)
         histories = [self._states[r.request_id].history for r in sampling]
-        penalties = Penalties.of(histories, self.config.target.vocab_size, self.device)
+        vocab = self.config.target.vocab_size
+        penalties = Penalties.of(histories, vocab, self.device)
+        grammars = StepGrammars.of([self._states[r.request_id].grammar for r in sampling], vocab)
         t0 = time.perf_counter()
-        step = DraftRound(reqs, sampling, shapes, params, draft_u, greedy, penalties)
+        step = DraftRound(reqs, sampling, shapes, params, draft_u, greedy, penalties, grammars)
         proposal = step.empty_proposal(self.device)
         if self.drafter is not None:
             proposal = self.drafter.propose(step)
+        if grammars is not None:
+            proposal = grammars.cut(proposal)
         t1 = time.perf_counter()
         layout = RoundLayout.build(reqs, sampling, proposal, self.config.block_size, self.device)
+        if grammars is not None:
+            grammars.prepare_verified(proposal, layout.first_verified)
         t_pass = time.perf_counter()
         logits, target_pass, prompt_logprobs = self._target_pass(reqs, layout)
         t2 = time.perf_counter()
@@ -138,6 +152,8 @@ class Worker:
                 self.drafter.observe(step, RoundOutcome([], [], rows, target_pass))
             timings = {"draft": t1 - t0, "target": t2 - t1, "sample": 0.0}
             return StepResult(timings=timings, prompt_logprobs=prompt_logprobs, passes=passes)
+        if grammars is not None:
+            logits = grammars.apply_verified(logits)
         raw = logits
         if penalties is not None:
             logits = penalties.apply(
@@ -152,6 +168,7 @@ class Worker:
         verdict = self._verify(step, proposal, layout, p, verify_u)
         if proposal.is_tree:
             self._compact(sampling, layout, verdict)
+        done = grammars.commit(verdict.emitted) if grammars is not None else [False] * len(params)
         for history, toks in zip(histories, verdict.emitted, strict=True):
             if history is not None:
                 history.append(toks)
@@ -169,6 +186,7 @@ class Worker:
                 proposal.counts[b],
                 logprobs.get(b),
                 None if verdict.rejected is None else verdict.rejected[b],
+                done[b],
             )
             for b, (r, toks) in enumerate(zip(sampling, verdict.emitted, strict=True))
         }
@@ -188,11 +206,26 @@ class Worker:
             if sp.penalised:
                 ids, banned = new.prompt_token_ids, new.min_tokens_banned
                 history = History(sp, ids, banned, vocab, self.device)
+            grammar = None
+            if new.grammar is not None:
+                grammar = RequestGrammar(self._matcher(new.grammar))
             self._states[new.request_id] = _RequestState(
-                sp, torch.Generator().manual_seed(new.seed), new.prompt_token_ids, history
+                sp, torch.Generator().manual_seed(new.seed), new.prompt_token_ids, history, grammar
             )
             if self.drafter is not None:
                 self.drafter.add_request(new)
+
+    def _matcher(self, ref: CompiledGrammarRef) -> object:
+        """A new matcher of a compiled grammar (rebuilt once per grammar on a Ray rank)."""
+        compiled = self._compiled.get(ref.key)
+        if compiled is None:
+            if ref.compiled is None and self._grammar_info is None:
+                self._grammar_info = worker_tokenizer_info(self.config)
+            compiled = ref.resolve(self._grammar_info)
+            if len(self._compiled) >= GRAMMARS_KEPT:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[ref.key] = compiled
+        return xgrammar().GrammarMatcher(compiled)
 
     def _draw_uniforms(
         self, sampling: list[ScheduledRequest], shapes: list[DraftShape]

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars parsed, compiled and cached (engine side) through xgrammar."""
