@@ -182,6 +182,27 @@ def test_generate_n_logprobs_and_penalties(models: dict[str, Path], tmp_path: Pa
     assert "completions" not in by_index[1] and "token_logprobs" not in by_index[1]
 
 
+def test_generate_structured_outputs_by_flag_and_by_line(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [
+        {"prompt": "Hello"},
+        {"prompt": "world", "structured_outputs": {"regex": "[0-9]{2}"}, "temperature": 0},
+        {"prompt": "again", "structured_outputs": {"regex": "[0-9"}},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    flag = ["--structured-outputs", '{"choice": ["yes", "no"]}', "--max-tokens", "8"]
+    assert _generate(models, prompts, out, *flag) == 1  # the third line is refused
+    err = capsys.readouterr().err
+    assert f"{prompts}:3: structured_outputs.regex: invalid regex" in err
+    by_index = {r["index"]: r for r in _records(out)}
+    assert set(by_index) == {0, 1}
+    assert by_index[0]["text"] in ("yes", "no") and by_index[0]["finish_reason"] == "stop"
+    assert len(by_index[1]["text"]) == 2 and by_index[1]["text"].isdigit()
+
+
 def test_malformed_lines_are_reported_and_skipped(
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -310,6 +331,8 @@ def test_ctrl_c_aborts_keeps_results_and_exits_130(
         ("bad_flag_value", "--top-p must be in (0, 1]"),
         ("bad_flag_type", "argument --block-size: invalid int value"),
         ("bad_extension", "cannot tell the format"),
+        ("bad_regex", "--structured-outputs.regex: invalid regex: Regex parsing error"),
+        ("bad_structured_json", "argument --structured-outputs: not valid JSON"),
     ],
 )
 def test_user_errors_exit_2_without_traceback(
@@ -342,6 +365,10 @@ def test_user_errors_exit_2_without_traceback(
     elif case == "bad_extension":
         prompts = tmp_path / "p.csv"
         prompts.write_text("hello\n")
+    elif case == "bad_regex":
+        extra = ["--structured-outputs", '{"regex": "[a-"}']
+    elif case == "bad_structured_json":
+        extra = ["--structured-outputs", "{regex"]
     argv = [
         "generate",
         "--model",

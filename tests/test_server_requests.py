@@ -87,7 +87,6 @@ def test_deeply_nested_json_is_400(server: ServerThread) -> None:
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
     ],
 )
 def test_tool_calling_is_refused_until_supported(

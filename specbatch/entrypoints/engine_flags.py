@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -178,6 +179,17 @@ def token_ids_arg(value: str) -> list[int]:
         ) from None
 
 
+def json_object_arg(value: str) -> dict[str, Any]:
+    """A JSON object given on the command line."""
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return obj
+
+
 SAMPLING_FLAGS: tuple[Flag, ...] = (
     Flag("temperature", float, "0 means greedy", metavar="T"),
     Flag(
@@ -219,6 +231,14 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
         float,
         "transformers' rule over prompt and output tokens (1 = off, > 1 discourages)",
         metavar="X",
+    ),
+    Flag(
+        "structured_outputs",
+        json_object_arg,
+        "constrain every output, as vLLM's StructuredOutputsParams: "
+        '\'{"json": SCHEMA}\', \'{"regex": "..."}\', \'{"choice": ["a", "b"]}\', '
+        '\'{"grammar": "root ::= ..."}\' or \'{"json_object": true}\'',
+        metavar="JSON",
     ),
 )
 
@@ -337,6 +357,7 @@ SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "structured_outputs",
 )
 
 
@@ -353,7 +374,7 @@ def _known_fields() -> list[str]:
 def flag_message(message: str, extra_fields: Iterable[str] = ()) -> str:
     """Rewrite a leading field name (``top_p must be ...``, ``model: ...``) as its flag."""
     for name in sorted({*_known_fields(), *extra_fields}, key=len, reverse=True):
-        m = re.match(rf"{re.escape(name)}(?=[ :=])", message)
+        m = re.match(rf"{re.escape(name)}(?=[ :=.])", message)
         if m:
             return "--" + name.replace("_", "-") + message[m.end() :]
     return message
@@ -362,6 +383,11 @@ def flag_message(message: str, extra_fields: Iterable[str] = ()) -> str:
 def check_sampling_flags(ns: argparse.Namespace) -> SamplingParams:
     """Build the flags' ``SamplingParams`` once, so a bad flag fails before any model loads."""
     try:
-        return SamplingParams(**sampling_kwargs_from(ns))
+        params = SamplingParams(**sampling_kwargs_from(ns))
+        if params.structured_outputs is not None:  # its grammar, parsed before a model loads
+            from specbatch.grammar.backend import parse
+
+            parse(params.structured_outputs, None)
+        return params
     except InvalidInputError as e:
         raise InvalidInputError(flag_message(str(e))) from None

@@ -37,7 +37,7 @@ FILE formats (chosen by extension):
           optionally "id" (copied to the output) and per-line sampling fields that override
           the flags: temperature, top_p, top_k, min_p, max_tokens, min_tokens, n, logprobs,
           presence_penalty, frequency_penalty, repetition_penalty, seed, stop,
-          stop_token_ids, ignore_eos.
+          stop_token_ids, ignore_eos, structured_outputs (an object, as the flag's JSON).
 
 Each output line holds "index" (the prompt's position among FILE's non-blank lines, from 0,
 malformed lines included), "id", "prompt", "text", "token_ids", "finish_reason",

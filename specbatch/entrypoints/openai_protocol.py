@@ -31,8 +31,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specbatch.chat import ROLES
+from specbatch.entrypoints.openai_structured import (
+    ResponseFormat,
+    StructuredField,
+    structured_field,
+)
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
+from specbatch.structured_outputs import FIELD
 
 DEFAULT_MODEL_NAME = "specbatch-default"
 _SAMPLING_ERROR = "sampling_value"  # an error whose message already names the field
@@ -164,7 +170,7 @@ def _sampling_fields() -> dict[str, Any]:
     return {
         f.name: (Annotated[_wire(hints[f.name]) | None, _checked(f.name)], f.default)
         for f in dataclasses.fields(SamplingParams)
-        if f.init
+        if f.init and f.name != "structured_outputs"  # openai_structured.py reads it
     }
 
 
@@ -196,7 +202,6 @@ BestOf = _neutral("1", lambda v: _is_number(v, 1))
 Suffix = _neutral('""', lambda v: v == "")
 NoTools = _neutral("null (no tool calling)", lambda v: False)
 ToolChoice = _neutral('"none"', lambda v: v == "none")
-ResponseFormat = _neutral('{"type": "text"}', lambda v: v == {"type": "text"})
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -216,6 +221,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: LogitBias = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
 
     def sampling_values(self) -> dict[str, Any]:
         """The sampling fields the client gave (null means the default)."""
@@ -270,7 +277,6 @@ class ChatRequest(_Sampling):  # type: ignore[misc, valid-type]
     tool_choice: ToolChoice = None
     functions: NoTools = None
     function_call: ToolChoice = None
-    response_format: ResponseFormat = None
 
 
 def requested_max_tokens(body: BaseModel, names: tuple[str, ...]) -> tuple[str, int] | None:
@@ -298,11 +304,23 @@ def check_context_room(
         )
 
 
-def sampling_params(values: dict[str, Any]) -> SamplingParams:
-    """``SamplingParams`` of fields each already checked alone: what fails here is a relation
-    between fields, named by the field its message starts with."""
+def sampling_params(
+    values: dict[str, Any], body: _Request | None = None
+) -> tuple[SamplingParams, StructuredField | None]:
+    """``SamplingParams`` of fields each already checked alone, with the body's structured
+    output: what fails here is a relation between fields, named by the field its message
+    starts with."""
+    structured = None
+    if body is not None:
+        try:
+            structured = structured_field(body.response_format, body.structured_outputs)
+        except InvalidInputError as e:
+            param = "response_format" if str(e).startswith("response_format") else FIELD
+            raise bad_request(str(e), param) from None
+        if structured is not None:
+            values = {**values, FIELD: structured.params}
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**values), structured
     except InvalidInputError as e:
         param = next((k for k in values if str(e).startswith((f"{k} ", f"{k}:"))), None)
         raise bad_request(str(e), param) from None

@@ -58,6 +58,7 @@ from specbatch.entrypoints.openai_replies import (
     sse_response,
     usage_of,
 )
+from specbatch.entrypoints.openai_structured import StructuredField
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.outputs import CompletionOutput, RequestOutput
 from specbatch.sampling_params import SamplingParams
@@ -117,14 +118,21 @@ class OpenAIServer:
         params: SamplingParams,
         field: str,
         requested: tuple[str, int] | None,
+        structured: StructuredField | None = None,
         add_special_tokens: bool = True,
     ) -> tuple[RequestStream, list[int]]:
-        """Check the request against the model, tokenize (off the event loop), check the room
-        left for the output, and queue: the request's stream and its prompt's token ids."""
+        """Check the request against the model (its grammar parsed), tokenize (both off the
+        event loop), check the room left for the output, and queue: the request's stream and
+        its prompt's token ids."""
         e = self.engine.engine
         if params.stop_strings and e.tokenizer is None:
             raise bad_request("stop: stop strings need a tokenizer, and the model has none", "stop")
         check_stop_token_ids(params, e.config.target.vocab_size)
+        if structured is not None:
+            try:
+                await self.engine.run_on_tokenizer_threads(e.grammars.check, structured.params)
+            except InvalidInputError as err:
+                raise bad_request(structured.message(str(err)), structured.param) from None
         try:
             text, ids = await self.engine.prepare(prompt, params, field, add_special_tokens)
         except InvalidInputError as err:
@@ -147,9 +155,11 @@ class OpenAIServer:
         values = body.sampling_values()
         if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
             values["prompt_logprobs"] = body.logprobs
-        params = sampling_params(values)
+        params, structured = sampling_params(values, body)
         requested = requested_max_tokens(body, ("max_tokens",))
-        stream, prompt_ids = await self.start(one_prompt(body.prompt), params, "prompt", requested)
+        stream, prompt_ids = await self.start(
+            one_prompt(body.prompt), params, "prompt", requested, structured
+        )
         reply = ReplyIds(
             f"cmpl-{uuid.uuid4().hex}", int(time.time()), "text_completion", self.model_name
         )
@@ -195,7 +205,7 @@ class OpenAIServer:
         requested = requested_max_tokens(body, ("max_tokens", "max_completion_tokens"))
         values = body.sampling_values()
         values.update(logprobs=top, max_tokens=requested[1] if requested else None)
-        params = sampling_params(values)
+        params, structured = sampling_params(values, body)
         try:
             messages = check_messages([m.model_dump() for m in body.messages])
             text = await self.engine.run_on_tokenizer_threads(
@@ -203,7 +213,9 @@ class OpenAIServer:
             )
         except InvalidInputError as e:
             raise bad_request(str(e), "messages") from None
-        stream, _ = await self.start(text, params, "messages", requested, add_special_tokens=False)
+        stream, _ = await self.start(
+            text, params, "messages", requested, structured, add_special_tokens=False
+        )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
 

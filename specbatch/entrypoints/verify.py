@@ -79,7 +79,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the runs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_sampling_flags(p, skip=("max_tokens", "min_tokens", "n", "logprobs"), stop_flags=False)
+    skip = ("max_tokens", "min_tokens", "n", "logprobs", "structured_outputs")
+    add_sampling_flags(p, skip=skip, stop_flags=False)
     drafter_help = "the drafter to check, as vLLM's JSON (default: the built-in EAGLE-3 head)"
     add_engine_flags(p, skip=("seed",), help_overrides={"speculative_config": drafter_help})
     p.set_defaults(func=run)
