@@ -277,6 +277,29 @@ def test_sharded_draft_equals_tp1_and_shutdown_releases_everything(engines, pair
     assert ray.is_initialized()  # the executor did not start Ray, so it leaves it running
 
 
+def test_structured_outputs_tp2_equal_tp1(ray_cluster, make_checkpoint) -> None:
+    """Every rank keeps a matcher of the request's grammar (compiled by the engine, rebuilt
+    from its JSON on each rank): seeded structured outputs at TP=2 are those of TP=1."""
+    target = make_checkpoint("llama", with_tokenizer=True)  # 4 / 2 heads: TP=2 divides
+    config = {"method": "ngram", "num_speculative_tokens": GAMMA, "prompt_lookup_min": 1}
+    prompts = ["yes or no? yes", "pick: abc abd", '{"n": 1, "n": 2}']
+    specs = [{"choice": ["yes", "no"]}, {"regex": "ab[cd]{1,4}"},
+             {"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}]  # fmt: skip
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=16, structured_outputs=spec)
+              for i, spec in enumerate(specs)]  # fmt: skip
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(target), speculative_config=config, tensor_parallel_size=tp,
+                  num_kv_blocks=128, block_size=4, max_model_len=64)  # fmt: skip
+        try:
+            got = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+            outs.append([o.outputs[0].token_ids for o in got])
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+
+
 # ---- errors --------------------------------------------------------------------------------
 def test_sizes_that_tp_does_not_divide_fail_before_loading(pair) -> None:
     t0 = time.monotonic()
