@@ -131,16 +131,16 @@ class StepGrammars:
         paths: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """``logits`` [R, V] with row r masked as request ``owners[r]`` after ``paths[r]``
-        (rows of requests without a grammar, or whose owner is None, as they were): float32,
-        a new tensor when some row is masked."""
+        (rows of requests without a grammar, or whose owner is None, as they were), in
+        float32; masked in place when they are float32 already."""
         rows = [r for r, b in enumerate(owners) if b is not None and self.grammars[b] is not None]
         if not rows:
             return logits
-        buf = self._buffer(len(rows))
-        for i, r in enumerate(rows):
+        buf = self._buffer(len(owners))
+        for r in rows:
             b = owners[r]
             assert b is not None
-            self._fill(buf, i, b, paths[r])
+            self._fill(buf, r, b, paths[r])
         return apply_bitmask(logits, buf, rows, self.vocab)
 
     # ---- the round ---------------------------------------------------------------------------
@@ -186,12 +186,13 @@ class StepGrammars:
                 which.append(first_row[b] + j)
                 owners.append(b)
                 paths.append(path)
-        buf = self._buffer(len(which))
-        for i, (b, path) in enumerate(zip(owners, paths, strict=True)):
-            self._fill(buf, i, b, path)
+        buf = self._buffer(max(which, default=-1) + 1)
+        for row, b, path in zip(which, owners, paths, strict=True):
+            self._fill(buf, row, b, path)
         self._verified = (buf, which)
 
     def apply_verified(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's verified rows masked (``mask``'s terms)."""
         assert self._verified is not None, "prepare_verified first"
         buf, which = self._verified
         return apply_bitmask(logits, buf, which, self.vocab)
@@ -213,14 +214,14 @@ class StepGrammars:
 def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int
 ) -> torch.Tensor:
-    """A float32 copy of ``logits`` whose ``rows`` are -inf where ``bitmask`` (one row each)
-    has a 0 bit."""
+    """``logits`` in float32 (in place when they are float32 and contiguous) with row r of
+    ``rows`` set to -inf where ``bitmask[r]`` has a 0 bit."""
     from specbatch.grammar.backend import xgrammar
 
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    sub = logits.index_select(0, index).float().contiguous()
-    xgrammar().apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=vocab)
-    return logits.float().index_copy(0, index, sub)
+    out = logits.float().contiguous()
+    bits = bitmask.to(out.device, non_blocking=True)
+    xgrammar().apply_token_bitmask_inplace(out, bits, vocab_size=vocab, indices=rows)
+    return out
 
 
 def _keep_nodes(proposal: Proposal, b: int, kept: list[int]) -> None:
