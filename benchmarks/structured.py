@@ -1,5 +1,5 @@
-"""Structured outputs on the built-in pair (its EAGLE-3 head drafting 3 tokens, the default
-engine), at temperature 1, on chat prompts asking for each of benchmarks/json_schemas.py's 20
+"""Structured outputs on the built-in pair (its EAGLE-3 head drafting 3 tokens a round), at
+temperature 1, on chat prompts asking for each of benchmarks/json_schemas.py's 20
 JSON schemas:
 
 1. validity: ``--requests`` requests (schema i % 20, seed i), 32 at a time: how many end by
@@ -156,8 +156,9 @@ def main() -> None:
     args = p.parse_args()
     threads = set_threads(args.threads)
     common = {"max_num_seqs": 32, "max_model_len": 512}
-    spec = LLMEngine.from_engine_args(EngineArgs(**common))
-    twin = LLMEngine.from_engine_args(EngineArgs(**common))
+    head = {"method": "eagle3", "num_speculative_tokens": 3}  # the built-in pair's head
+    spec = LLMEngine.from_engine_args(EngineArgs(**common, speculative_config=head))
+    twin = LLMEngine.from_engine_args(EngineArgs(**common, speculative_config=head))
     plain = LLMEngine.from_engine_args(EngineArgs(**common, num_speculative_tokens=0))
     share_weights([spec, twin, plain])
     prompts = chat_prompts(spec)

@@ -156,6 +156,22 @@ def test_drafts_outside_the_grammar_are_never_verified(pair, monkeypatch):
     assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
 
 
+def test_preempted_structured_requests_keep_their_grammar_state(pair):
+    """Preempted (recomputed) requests resume with their matchers where they were: greedy
+    outputs still equal the masked greedy reference."""
+    target = pair[0]
+    llm = engine(pair, "draft_model", num_kv_blocks=24, max_model_len=64, max_num_seqs=8)
+    p = llm.get_tokenizer().encode("yes no maybe xay xbcy")
+    kind, value, spaces = SPECS[0]
+    spec = StructuredOutputsParams(json=value, disable_any_whitespace=True)
+    ref = masked_greedy(target, p, compile_reference(target, kind, value, EOS, spaces), 40)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+    outs = llm.generate([{"prompt_token_ids": p}] * 8, params, use_tqdm=False)
+    assert llm.engine.metrics.num_preemptions > 0
+    assert all(o.outputs[0].token_ids == ref for o in outs)
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+
+
 def test_the_grammars_end_ends_the_output_even_with_ignore_eos(pair):
     llm = engine(pair, "draft_model")
     spec = StructuredOutputsParams(choice=["yes", "no"])
@@ -165,8 +181,9 @@ def test_the_grammars_end_ends_the_output_even_with_ignore_eos(pair):
                         seed=1) for t in (0.0, 1.0, 0.0, 1.0)],
         use_tqdm=False,
     )  # fmt: skip
-    for o in outs:
-        c = o.outputs[0]
+    several = llm.generate(["Say yes or no:"], SamplingParams(n=3, max_tokens=20, seed=2,
+                           structured_outputs=spec), use_tqdm=False)[0]  # fmt: skip
+    for c in [o.outputs[0] for o in outs] + several.outputs:
         assert c.text in ("yes", "no") and c.finish_reason == "stop" and c.token_ids[-1] == EOS
     assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
 
