@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jsonschema  # installed with ray
+import torch
 
 from benchmarks.common import RESULTS_DIR, format_table, machine_info, set_threads, write_json
 from benchmarks.json_schemas import SCHEMAS
@@ -151,10 +152,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the side-by-side runs")
     p.add_argument("--batch-requests", type=int, default=128, help="per round, at batch 32")
     p.add_argument("--single-requests", type=int, default=20, help="per round, at batch 1")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=str(RESULTS_DIR / "structured.json"))
     args = p.parse_args()
-    threads = set_threads(args.threads)
+    threads = set_threads(args.threads) if args.threads else torch.get_num_threads()
     common = {"max_num_seqs": 32, "max_model_len": 512}
     head = {"method": "eagle3", "num_speculative_tokens": 3}  # the built-in pair's head
     spec = LLMEngine.from_engine_args(EngineArgs(**common, speculative_config=head))

@@ -115,8 +115,11 @@ class Scheduler:
 
     def waiting_for_grammars(self) -> list[Request]:
         """The waiting requests whose grammar is still compiling or failed to compile."""
-        return [r for r in self.waiting if r.grammar is not None and (
-            r.grammar_pending or r.grammar.exception() is not None)]  # fmt: skip
+        return [
+            r
+            for r in self.waiting
+            if r.grammar is not None and (r.grammar_pending or r.grammar.exception() is not None)
+        ]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or any(self._forks.values()))
