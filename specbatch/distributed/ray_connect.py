@@ -30,7 +30,8 @@ def host_and_port(address: str) -> tuple[str, int] | None:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidInputError(
             f"ray_address: expected HOST:PORT (as `ray start --head` prints it), "
-            f"ray://HOST:PORT or auto, got {address!r}"
+            f"ray://HOST:PORT or auto, got {address!r}",
+            "ray_address",
         )
     return host, int(port)
 
@@ -52,7 +53,8 @@ def check_ray_address(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Non
         return
     raise InvalidInputError(
         f"ray_address: no Ray cluster answers at {address} ({reason}); start one there with "
-        f"`ray start --head --port={port}`, or pass auto to join this node's cluster"
+        f"`ray start --head --port={port}`, or pass auto to join this node's cluster",
+        "ray_address",
     )
 
 

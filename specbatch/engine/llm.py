@@ -144,8 +144,9 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
         return [list(prompts)]  # a single prompt given as token ids
     if not isinstance(prompts, (list, tuple)):
         raise InvalidInputError(
-            f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}"
+            f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}",
+            "prompts",
         )
     if not prompts:
-        raise InvalidInputError("prompts: the list is empty")
+        raise InvalidInputError("prompts: the list is empty", "prompts")
     return list(prompts)

@@ -157,7 +157,9 @@ class LLMEngine:
         """Everything ``add_request`` would refuse, checked without adding anything. Reads only
         the tokenizer and the configuration: safe on another thread than the engine's."""
         if params.stop_strings and self.tokenizer is None:
-            raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
+            raise InvalidInputError(
+                "stop: stop strings need a tokenizer, and the model has none", "stop"
+            )
         return self.prepare_prompt(prompt, field, add_special_tokens)
 
     def add_request(
