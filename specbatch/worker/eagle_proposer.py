@@ -47,7 +47,7 @@ class EagleProposer(Drafter):
             head_dim=head_dim_of(head_config),
         )
         self.head = load_eagle_head(
-            config.draft.path, TargetParts.of(target.model), backend, config.draft.dtype, device
+            config.draft, TargetParts.of(target.model), backend, config.draft.dtype, device
         )
         if device.type == "cpu":
             from specbatch.kernels.cpu import cpu_kernels
