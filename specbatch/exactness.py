@@ -30,6 +30,7 @@ from specbatch.exactness_report import (
     add_notes,
     format_report,
 )
+from specbatch.options import options_of
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence_stats import compare_positions, samples_for
 
@@ -39,11 +40,16 @@ NO_DRAFTER = (
     "speculative_config), or no model to check the built-in pair"
 )
 RESERVED = ("model", "draft_model", "num_speculative_tokens", "seed", "speculative_config")
+# The sampling fields the check sets itself (the length, when to stop, what is reported); the
+# others change the law it compares, and may be given.
+SET_BY_THE_CHECK = ("max_tokens", "min_tokens", "n", "logprobs", "stop", "stop_token_ids",
+                    "ignore_eos", "seed")  # fmt: skip
+SAMPLING = {n: d for n, o, d in options_of(SamplingParams) if o.flag and n not in SET_BY_THE_CHECK}
 
 
 def _check(name: str, ok: bool, limit: str, value: Any) -> None:
     if not ok:
-        raise InvalidInputError(f"{name} must be {limit}, got {value!r}")
+        raise InvalidInputError(f"{name} must be {limit}, got {value!r}", name)
 
 
 def _is_int(value: Any) -> bool:
@@ -112,9 +118,10 @@ def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool
     if not cfg.speculative:
         if asked == 0:
             raise InvalidInputError(
-                "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)"
+                "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)",
+                "num_speculative_tokens",
             )
-        raise InvalidInputError(NO_DRAFTER)
+        raise InvalidInputError(NO_DRAFTER, "model")
     where = cfg.draft.path if cfg.draft is not None else "prompt lookup"
     return f"{cfg.spec_method}: {where}", cfg.num_speculative_tokens, cfg.adaptive_speculation
 
@@ -127,13 +134,6 @@ def verify_exactness(
     num_speculative_tokens: int | str | None = None,
     num_samples: int | None = None,
     num_tokens: int | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     alpha: float = 1e-3,
@@ -141,6 +141,7 @@ def verify_exactness(
     engine_kwargs: Mapping[str, Any] | None = None,
     reference_model: str | None = None,
     progress: bool = False,
+    **sampling: Any,
 ) -> VerifyReport:
     """Compare speculative samples with as many plain samples of the target.
 
@@ -149,10 +150,11 @@ def verify_exactness(
     default); ``engine_kwargs`` are further ``EngineArgs`` fields for both engines (dtype,
     device, num_kv_blocks, max_model_len, ...). ``num_tokens`` defaults to k + 2 and
     ``num_samples`` to what catches a total-variation difference of ``TARGET_TV`` at every
-    token. ``reference_model`` (default: the target) is the model of the plain run; pointing
-    it at another model is how the test itself is tested. Speculative request ``i`` uses seed
-    ``seed * 2 * num_samples + i`` and plain request ``i`` seed ``... + num_samples + i``, so
-    no two requests share a random stream.
+    token. ``sampling``: ``SamplingParams`` fields of both runs (those of ``SAMPLING``:
+    temperature, top_p, penalties...). ``reference_model`` (default: the target) is the model
+    of the plain run; pointing it at another model is how the test itself is tested.
+    Speculative request ``i`` uses seed ``seed * 2 * num_samples + i`` and plain request ``i``
+    seed ``... + num_samples + i``, so no two requests share a random stream.
     Raises ``InvalidInputError`` for bad arguments (and whatever the engines raise).
     """
     _check(
@@ -170,18 +172,15 @@ def verify_exactness(
     _check("alpha", isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0, "in (0, 1)", alpha)
     _check("seed", _is_int(seed) and seed >= 0, "an integer >= 0", seed)
     if prompt is not None and prompt_token_ids is not None:
-        raise InvalidInputError("prompt: give a prompt text or prompt_token_ids, not both")
+        raise InvalidInputError(
+            "prompt: give a prompt text or prompt_token_ids, not both", "prompt"
+        )
     if model is not None and draft_model is None and speculative_config is None:
-        raise InvalidInputError(NO_DRAFTER)  # only the built-in target has drafters of its own
-    sampling = {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty,
-        "repetition_penalty": repetition_penalty,
-    }
+        raise InvalidInputError(NO_DRAFTER, "model")  # only the built-in target has its drafters
+    unknown = sorted(set(sampling) - set(SAMPLING))
+    if unknown:
+        raise TypeError(f"verify_exactness() got unexpected keyword argument(s) {unknown}")
+    sampling = {**SAMPLING, **sampling}
     SamplingParams(**sampling)  # check the values before loading anything
     extra = {k: v for k, v in (engine_kwargs or {}).items() if k not in RESERVED}
     spec_engine = LLMEngine.from_engine_args(
@@ -250,7 +249,9 @@ def verify_exactness(
         seed=seed,
         speculative=spec,
         plain=plain,
-        comparison=None if temperature == 0 else compare_positions(spec.seqs, plain.seqs, alpha),
+        comparison=None
+        if sampling["temperature"] == 0
+        else compare_positions(spec.seqs, plain.seqs, alpha),
     )
     add_notes(report)
     return report

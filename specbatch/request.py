@@ -7,8 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.output import PositionLogprobs
 from specbatch.theory import expected_tokens_per_round
+
+# one position's logprobs: (the token's logprob, its rank, the top ids, their logprobs)
+PositionLogprobs = tuple[float, int, list[int], list[float]]
 
 
 class RequestStatus(enum.Enum):

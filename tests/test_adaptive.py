@@ -299,7 +299,7 @@ def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
 
 def test_cli_flags_take_auto(capsys):
     from specbatch.entrypoints.cli import build_parser
-    from specbatch.entrypoints.engine_flags import engine_args_from
+    from specbatch.entrypoints.flags import engine_args_from
 
     argv = ["generate", "--prompts", "p.txt", "--output", "o.jsonl"]
     ns = build_parser().parse_args([*argv, "--num-speculative-tokens", "auto"])

@@ -55,10 +55,11 @@ from specbatch.bench.cells import (
     pool_runs,
 )
 from specbatch.bench.workload import WORKLOADS, build_workload, mixed, spread_output_lengths
-from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
+from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
+from specbatch.speculative_config import SpeculativeConfig
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
@@ -139,7 +140,7 @@ class BenchConfig:
 
     def check(self) -> None:
         def bad(name: str, why: str) -> InvalidInputError:
-            return InvalidInputError(f"{name} {why}")
+            return InvalidInputError(f"{name} {why}", name)
 
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise bad("batch_sizes", "must be integers >= 1")
@@ -168,7 +169,9 @@ class BenchConfig:
     def max_draft_length(self) -> int:
         """The speculative engine's draft length: the largest k, else the auto row's default."""
         fixed = max(self.draft_lengths)
-        return fixed if fixed > 0 or AUTO not in self.draft_lengths else DEFAULT_MAX_DRAFT_LENGTH
+        if fixed > 0 or AUTO not in self.draft_lengths:
+            return fixed
+        return SpeculativeConfig.max_draft_length
 
     @property
     def max_output_len(self) -> int:

@@ -8,6 +8,7 @@ offline test; with ``offline``, put its flags after the word ``offline``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from specbatch.bench.offline import (
@@ -20,19 +21,10 @@ from specbatch.bench.offline import (
     draft_length_arg,
 )
 
-FIELDS = (
-    "batch_sizes",
-    "draft_lengths",
-    "input_len",
-    "output_len",
-    "output_len_spread",
-    "num_requests",
-    "temperature",
-    "prompts",
-)
 # Engine flags the command sets itself, per engine (auto's maximum: the largest K of
 # --draft-lengths).
 _OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_draft_length", "max_num_seqs", "max_model_len")
+_OWN_SPEC_KEYS = ("num_speculative_tokens", "max_draft_length")
 
 DESCRIPTION = """\
 Offline load test. For every batch size B (requests running concurrently: the engine is kept
@@ -53,7 +45,8 @@ windows of the pair's held-out stdlib files."""
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
-    from specbatch.entrypoints.engine_flags import add_engine_flags
+    from specbatch.entrypoints.flags import add_engine_flags
+    from specbatch.speculative_config import SpeculativeConfig
 
     p.add_argument(
         "--batch-sizes",
@@ -70,7 +63,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_DRAFT_LENGTHS),
         metavar="K",
         help="draft tokens per round, 0 = plain decoding, auto = num_speculative_tokens=auto "
-        "up to the largest K (default 4 when none is given) "
+        f"up to the largest K ({SpeculativeConfig.max_draft_length} when none is given) "
         f"(default: {' '.join(map(str, DEFAULT_DRAFT_LENGTHS))})",
     )
     p.add_argument(
@@ -183,20 +176,16 @@ def add_parser(subparsers: Any) -> Any:
 
 def config_from(args: argparse.Namespace) -> Any:
     from specbatch.bench.offline import BenchConfig
-    from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
-    from specbatch.speculative_config import parse_speculative_config
+    from specbatch.config import EngineArgs
+    from specbatch.entrypoints.flags import values_of
+    from specbatch.speculative_config import normalise
 
     skip = {"model", "draft_model", "seed", "speculative_config", *_OWN_ENGINE_FIELDS}
-    engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field not in skip}
+    engine_kwargs = {k: v for k, v in values_of(args, EngineArgs).items() if k not in skip}
     spec = None
     if args.speculative_config is not None:  # the drafter; its draft lengths are the grid's
-        parsed = parse_speculative_config(args.speculative_config)
-        spec = {"method": parsed.method, "prompt_lookup_max": parsed.prompt_lookup_max,
-                "prompt_lookup_min": parsed.prompt_lookup_min}  # fmt: skip
-        if parsed.model is not None:
-            spec["model"] = parsed.model
-        if parsed.draft_tensor_parallel_size is not None:
-            spec["draft_tensor_parallel_size"] = parsed.draft_tensor_parallel_size
+        parsed = dataclasses.asdict(normalise(args.speculative_config))
+        spec = {k: v for k, v in parsed.items() if k not in _OWN_SPEC_KEYS and v is not None}
     return BenchConfig(
         model=args.model,
         draft_model=args.draft_model,
@@ -231,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             SamplingParams(temperature=cfg.mixed_hard_temperature)
         except InvalidInputError as e:
-            raise InvalidInputError(f"--mixed: {e}") from None
+            raise InvalidInputError(f"mixed: {e}", "mixed") from None
     result = run_bench(cfg, progress=not args.no_progress)
     print(format_report(result), flush=True)
     for kind, path in write_all(result, args.out).items():

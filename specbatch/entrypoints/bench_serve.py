@@ -136,7 +136,7 @@ def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
         raise InvalidInputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.prompts is None:
         return list(synthetic_prompts(args.num_prompts, args.input_words, args.seed))
-    from specbatch.entrypoints.prompts_file import read_prompts
+    from specbatch.prompts_file import read_prompts
 
     lines = read_prompts(args.prompts).prompts
     if not lines:

@@ -1,15 +1,14 @@
 """The OpenAI API's request bodies as pydantic models, and its error shape.
 
-The sampling fields are ``SamplingParams``' own (names, types, defaults), and their limits are
-``SamplingParams``' checks, run on each field as it is parsed so that an error names the field
-as the client wrote it. Types are strict (``"5"`` is not an integer). Unknown fields are
-accepted (the server logs each name once); fields this server does not implement are accepted
-only at their neutral values.
+The sampling fields are ``SamplingParams``' own options (names, types, defaults, limits stated
+in the schema); their values are checked once, where they become ``SamplingParams``, and an
+error names the field as the client wrote it. Types are strict (``"5"`` is not an integer).
+Unknown fields are accepted (the server logs each name once); fields this server does not
+implement are accepted only at their neutral values.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import operator
@@ -28,14 +27,15 @@ from pydantic import (
     WrapValidator,
     create_model,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from specbatch.chat import ROLES
 from specbatch.errors import InvalidInputError
+from specbatch.options import Option, options_of
 from specbatch.sampling_params import SamplingParams
 
 DEFAULT_MODEL_NAME = "specbatch-default"
-_SAMPLING_ERROR = "sampling_value"  # an error whose message already names the field
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -75,8 +75,6 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         return bad_request(
             "the request body must be a JSON object (content-type: application/json)"
         )
-    if err["type"] == _SAMPLING_ERROR:
-        return bad_request(err["msg"], str(loc[0]))
     path = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
     got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
     return bad_request(f"{path}: {err['msg']}{got}", str(loc[0]))
@@ -141,31 +139,23 @@ def _wire(hint: Any) -> Any:
     return Annotated[wired, _one_of(" or ".join(_name(m) for m in members))] | None
 
 
-def _checked(name: str, wire: str | None = None) -> AfterValidator:
-    """``SamplingParams``' own check of field ``name`` alone (read from JSON key ``wire``)."""
+_LIMITS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
 
-    def check(value: Any) -> Any:
-        if value is None:
-            return value
-        try:
-            SamplingParams(**{"max_tokens": None, name: value})
-        except InvalidInputError as e:
-            message = str(e)
-            if wire and message.startswith(name):
-                message = wire + message[len(name) :]
-            raise PydanticCustomError(_SAMPLING_ERROR, "{message}", {"message": message}) from None
-        return value
 
-    return AfterValidator(check)
+_OPTIONS: dict[str, tuple[Option, Any]] = {n: (o, d) for n, o, d in options_of(SamplingParams)}
+
+
+def _schema(name: str, default: Any = None) -> FieldInfo:
+    """Sampling option ``name``'s help and limits, as the request schema states them."""
+    opt = _OPTIONS[name][0]
+    limits = {key: getattr(opt, bound) for bound, key in _LIMITS.items()}
+    extra = {k: v for k, v in limits.items() if v is not None}
+    return Field(default, description=opt.help, json_schema_extra=extra or None)  # type: ignore[arg-type]
 
 
 def _sampling_fields() -> dict[str, Any]:
     hints = typing.get_type_hints(SamplingParams)
-    return {
-        f.name: (Annotated[_wire(hints[f.name]) | None, _checked(f.name)], f.default)
-        for f in dataclasses.fields(SamplingParams)
-        if f.init
-    }
+    return {n: (_wire(hints[n]) | None, _schema(n, d)) for n, (_, d) in _OPTIONS.items()}
 
 
 _SAMPLING = _sampling_fields()
@@ -260,12 +250,10 @@ class ChatRequest(_Sampling):  # type: ignore[misc, valid-type]
     alternatives; ``max_tokens`` or ``max_completion_tokens`` (default: up to the context)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[int | None, _checked("max_tokens")] = None
-    max_completion_tokens: Annotated[
-        int | None, _checked("max_tokens", "max_completion_tokens")
-    ] = None
+    max_tokens: int | None = _schema("max_tokens")
+    max_completion_tokens: int | None = _schema("max_tokens")
     logprobs: bool | None = False
-    top_logprobs: Annotated[int | None, _checked("logprobs", "top_logprobs")] = None
+    top_logprobs: int | None = _schema("logprobs")
     tools: NoTools = None
     tool_choice: ToolChoice = None
     functions: NoTools = None
@@ -298,14 +286,14 @@ def check_context_room(
         )
 
 
-def sampling_params(values: dict[str, Any]) -> SamplingParams:
-    """``SamplingParams`` of fields each already checked alone: what fails here is a relation
-    between fields, named by the field its message starts with."""
+def sampling_params(values: dict[str, Any], wire: dict[str, str] | None = None) -> SamplingParams:
+    """``SamplingParams`` of the request's values; an error names the field as the client wrote
+    it (``wire``: the JSON key of a field that came under another name)."""
     try:
         return SamplingParams(**values)
     except InvalidInputError as e:
-        param = next((k for k in values if str(e).startswith((f"{k} ", f"{k}:"))), None)
-        raise bad_request(str(e), param) from None
+        key = (wire or {}).get(e.field or "", e.field)
+        raise bad_request(e.named(key) if key else str(e), key) from None
 
 
 def one_prompt(prompt: Any) -> str | list[int]:

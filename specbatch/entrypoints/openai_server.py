@@ -195,7 +195,8 @@ class OpenAIServer:
         requested = requested_max_tokens(body, ("max_tokens", "max_completion_tokens"))
         values = body.sampling_values()
         values.update(logprobs=top, max_tokens=requested[1] if requested else None)
-        params = sampling_params(values)
+        wire = {"logprobs": "top_logprobs", "max_tokens": requested[0] if requested else ""}
+        params = sampling_params(values, wire)
         try:
             messages = check_messages([m.model_dump() for m in body.messages])
             text = await self.engine.run_on_tokenizer_threads(

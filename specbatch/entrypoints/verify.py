@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specbatch.config import EngineArgs
+from specbatch.entrypoints.flags import (
+    add_engine_flags,
+    add_sampling_flags,
+    token_ids_arg,
+    values_of,
+)
 from specbatch.exactness import (
     DEFAULT_TEXT_PROMPT,
+    SET_BY_THE_CHECK,
     format_report,
     verify_exactness,
 )
 from specbatch.exactness_report import POWER, TARGET_TV, USEFUL_TV
-
-# Fields whose names an error message may start with, mapped to flags by the CLI.
-FIELDS = ("num_samples", "tokens", "num_tokens", "alpha", "prompt", "prompt_token_ids")
+from specbatch.sampling_params import SamplingParams
 
 DESCRIPTION = f"""\
 Check that speculative decoding is exact on your own model pair, as the engine runs it (no
@@ -30,12 +36,6 @@ must simply be the same."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from specbatch.entrypoints.engine_flags import (
-        add_engine_flags,
-        add_sampling_flags,
-        token_ids_arg,
-    )
-
     p = subparsers.add_parser(
         "verify",
         help="check statistically that speculation leaves the output distribution unchanged",
@@ -79,37 +79,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the runs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_sampling_flags(p, skip=("max_tokens", "min_tokens", "n", "logprobs"), stop_flags=False)
+    add_sampling_flags(p, skip=SET_BY_THE_CHECK)
     drafter_help = "the drafter to check, as vLLM's JSON (default: the built-in EAGLE-3 head)"
-    add_engine_flags(p, skip=("seed",), help_overrides={"speculative_config": drafter_help})
+    add_engine_flags(p, skip=("seed",), helps={"speculative_config": drafter_help})
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
-
-    engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field != "seed"}
+    engine = values_of(args, EngineArgs)
     report = verify_exactness(
-        engine_kwargs.pop("model"),
-        engine_kwargs.pop("draft_model"),
-        speculative_config=engine_kwargs.pop("speculative_config"),
-        num_speculative_tokens=engine_kwargs.pop("num_speculative_tokens"),
+        engine.pop("model"),
+        engine.pop("draft_model"),
+        speculative_config=engine.pop("speculative_config"),
+        num_speculative_tokens=engine.pop("num_speculative_tokens"),
         num_samples=args.num_samples,
         num_tokens=args.tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
         prompt=args.prompt,
         prompt_token_ids=args.prompt_token_ids,
         alpha=args.alpha,
         seed=args.seed,
-        engine_kwargs=engine_kwargs,
+        engine_kwargs=engine,
         progress=not args.no_progress,
+        **values_of(args, SamplingParams),
     )
     print(format_report(report), flush=True)
     return 0 if report.passed else 1
