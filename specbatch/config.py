@@ -13,15 +13,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specbatch.errors import InvalidInputError
-from specbatch.model.checkpoint import (
-    ModelConfig,
-    check_same_vocabulary,
-    check_tensor_parallel,
-    read_checkpoint,
-)
 from specbatch.options import check_options, option
 from specbatch.speculative_config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -30,6 +24,9 @@ from specbatch.speculative_config import (
     normalise,
     shorthand,
 )
+
+if TYPE_CHECKING:
+    from specbatch.model.checkpoint import ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -125,6 +122,8 @@ class EngineArgs:
         )
 
     def create_engine_config(self) -> EngineConfig:
+        from specbatch.model.checkpoint import read_checkpoint
+
         device = resolve_device(self.device)
         path = self.model or default_model_path("target")
         target = read_checkpoint(path, "model", self.tokenizer, self.dtype, device)
@@ -178,6 +177,9 @@ class EngineArgs:
     ) -> tuple[SpeculativeConfig, ModelConfig | None]:
         """The drafter's checkpoint read, and the speculative config resolved: the built-in
         target's own drafter by default, the default draft length, no method without one."""
+        from specbatch.model.checkpoint import check_same_vocabulary, read_checkpoint
+        from specbatch.model.eagle import read_eagle_head
+
         spec = self.speculative
         method, path, k = spec.method, spec.model, spec.num_speculative_tokens
         asked = self.speculative_config is not None
@@ -195,8 +197,6 @@ class EngineArgs:
             )
         draft = None
         if path is not None and method in ("eagle", "eagle3"):
-            from specbatch.model.eagle import read_eagle_head
-
             draft = read_eagle_head(path, spec.method if spec.model else None, target)
             method = "eagle"
         elif path is not None:
@@ -217,6 +217,8 @@ class EngineArgs:
     def _check_parallel(
         self, target: ModelConfig, draft: ModelConfig | None, spec: SpeculativeConfig, tp: int
     ) -> None:
+        from specbatch.model.checkpoint import check_tensor_parallel
+
         check_tensor_parallel(target.hf_config, tp, "model")
         draft_tp = spec.draft_tensor_parallel_size
         if draft_tp not in (1, tp):

@@ -107,21 +107,25 @@ class LLMEngine:
                 return self.prepare_prompt(list(prompt["prompt_token_ids"]), field)
             if "prompt" in prompt:
                 return self.prepare_prompt(prompt["prompt"], field, add_special_tokens)
-            raise InvalidInputError(f"{field}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            raise InvalidInputError(
+                f"{field}: a dict prompt needs 'prompt' or 'prompt_token_ids'", field
+            )
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidInputError(f"{field}: the prompt is empty")
+                raise InvalidInputError(f"{field}: the prompt is empty", field)
             if self.tokenizer is None:
                 raise InvalidInputError(
                     f"{field}: the model has no tokenizer, so prompts must be token ids "
-                    "({'prompt_token_ids': [...]})"
+                    "({'prompt_token_ids': [...]})",
+                    field,
                 )
             if len(prompt) > self.max_prompt_chars:
                 limit = self.config.max_model_len - 1
                 raise InvalidInputError(
                     f"{field}: {len(prompt)} characters, more than the {self.max_prompt_chars} "
                     f"that any prompt within the limit of {limit} tokens can have (max_model_len "
-                    f"{self.config.max_model_len} leaves room for one output token)"
+                    f"{self.config.max_model_len} leaves room for one output token)",
+                    field,
                 )
             text, ids = prompt, encode_text(self.tokenizer, prompt, add_special_tokens)
         elif isinstance(prompt, (list, tuple)):
@@ -130,20 +134,21 @@ class LLMEngine:
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise InvalidInputError(
-                        f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})"
+                        f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})", field
                     )
         else:
             kind = type(prompt).__name__
             raise InvalidInputError(
-                f"{field}: must be a string, a list of token ids or a dict, got {kind}"
+                f"{field}: must be a string, a list of token ids or a dict, got {kind}", field
             )
         if not ids:
-            raise InvalidInputError(f"{field}: the prompt is empty (0 tokens)")
+            raise InvalidInputError(f"{field}: the prompt is empty (0 tokens)", field)
         limit = self.config.max_model_len - 1
         if len(ids) > limit:
             raise InvalidInputError(
                 f"{field}: {len(ids)} tokens, more than the limit of {limit} "
-                f"(max_model_len {self.config.max_model_len} leaves room for one output token)"
+                f"(max_model_len {self.config.max_model_len} leaves room for one output token)",
+                field,
             )
         return text, ids
 
