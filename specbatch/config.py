@@ -24,6 +24,7 @@ from specbatch.speculative_config import (
     normalise,
     shorthand,
 )
+from specbatch.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from specbatch.model.checkpoint import ModelConfig
@@ -177,7 +178,7 @@ class EngineArgs:
     ) -> tuple[SpeculativeConfig, ModelConfig | None]:
         """The drafter's checkpoint read, and the speculative config resolved: the built-in
         target's own drafter by default, the default draft length, no method without one."""
-        from specbatch.model.checkpoint import check_same_vocabulary, read_checkpoint
+        from specbatch.model.checkpoint import read_checkpoint
         from specbatch.model.eagle import read_eagle_head
 
         spec = self.speculative
@@ -317,6 +318,26 @@ class EngineConfig:
     def adaptive_speculation(self) -> bool:
         """num_speculative_tokens="auto": the draft length chosen per request and step."""
         return self.speculative_config.auto and self.speculative
+
+
+def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
+    """The draft must propose ids that mean the same tokens to the target."""
+    if target.vocab_size != draft.vocab_size:
+        raise InvalidInputError(
+            f"draft_model: vocab_size {draft.vocab_size} differs from the target's "
+            f"{target.vocab_size}; the draft must share the target's vocabulary",
+            "draft_model",
+        )
+    if target.tokenizer_path and draft.tokenizer_path:
+        a = load_tokenizer(target.tokenizer_path).get_vocab()
+        b = load_tokenizer(draft.tokenizer_path).get_vocab()
+        if a != b:
+            differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+            raise InvalidInputError(
+                "draft_model: its tokenizer maps tokens to ids differently from the target's "
+                f"(e.g. {differ}); the draft must share the target's vocabulary",
+                "draft_model",
+            )
 
 
 def resolve_device(device: str) -> str:

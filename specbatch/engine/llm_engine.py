@@ -19,10 +19,9 @@ from specbatch.outputs import (
     RequestOutput,
     logprob_dicts,
 )
-from specbatch.request import Request
+from specbatch.request import PositionLogprobs, Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.draft_controller import DraftController, ladder
-from specbatch.scheduler.output import PositionLogprobs
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker

@@ -9,11 +9,8 @@ implement are accepted only at their neutral values.
 
 from __future__ import annotations
 
-import functools
 import json
-import operator
 import re
-import typing
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
@@ -115,33 +112,16 @@ def _one_of(expected: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
-_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers")}
-
-
-def _name(t: Any) -> str:
-    if typing.get_origin(t) is list:
-        return f"a list of {_NAMES[typing.get_args(t)[0]][1]}"
-    return _NAMES[t][0]
-
-
-def _wire(hint: Any) -> Any:
-    """A ``SamplingParams`` field's type as the request takes it: text checked, unions with
-    one clear message."""
-    if hint is str:
-        return Text
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is list:
-        return list[_wire(args[0])]
-    members = [a for a in args if a is not type(None)]
-    if len(members) < 2:
-        return _wire(members[0]) | None if members else hint
-    wired = functools.reduce(operator.or_, (_wire(m) for m in members))
-    return Annotated[wired, _one_of(" or ".join(_name(m) for m in members))] | None
+def _wire(opt: Option) -> Any:
+    """A sampling option's type as the request takes it: text checked, a string or a list of
+    strings with one clear message."""
+    one = Text if opt.type is str else opt.type
+    if opt.many and opt.type is str:
+        return Annotated[one | list[one], _one_of(opt.expected())]
+    return list[one] if opt.many else one
 
 
 _LIMITS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
-
-
 _OPTIONS: dict[str, tuple[Option, Any]] = {n: (o, d) for n, o, d in options_of(SamplingParams)}
 
 
@@ -154,8 +134,7 @@ def _schema(name: str, default: Any = None) -> FieldInfo:
 
 
 def _sampling_fields() -> dict[str, Any]:
-    hints = typing.get_type_hints(SamplingParams)
-    return {n: (_wire(hints[n]) | None, _schema(n, d)) for n, (_, d) in _OPTIONS.items()}
+    return {n: (_wire(o) | None, _schema(n, d)) for n, (o, d) in _OPTIONS.items()}
 
 
 _SAMPLING = _sampling_fields()

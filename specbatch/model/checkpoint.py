@@ -141,28 +141,6 @@ def check_tensor_parallel(hf_config: Any, tp: int, field: str = "model") -> None
             )
 
 
-def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
-    """The draft must propose ids that mean the same tokens to the target."""
-    if target.vocab_size != draft.vocab_size:
-        raise InvalidInputError(
-            f"draft_model: vocab_size {draft.vocab_size} differs from the target's "
-            f"{target.vocab_size}; the draft must share the target's vocabulary",
-            "draft_model",
-        )
-    if target.tokenizer_path and draft.tokenizer_path:
-        from specbatch.tokenizer import load_tokenizer
-
-        a = load_tokenizer(target.tokenizer_path).get_vocab()
-        b = load_tokenizer(draft.tokenizer_path).get_vocab()
-        if a != b:
-            differ = sorted(set(a.items()) ^ set(b.items()))[:3]
-            raise InvalidInputError(
-                "draft_model: its tokenizer maps tokens to ids differently from the target's "
-                f"(e.g. {differ}); the draft must share the target's vocabulary",
-                "draft_model",
-            )
-
-
 def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
     """``auto`` takes the checkpoint's dtype. On a CPU, 16-bit weights run in bfloat16 where
     specbatch's kernels run (half float32's weight traffic; AVX512-BF16 dot products or AMX
