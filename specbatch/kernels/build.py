@@ -60,16 +60,17 @@ def _compiler() -> str:
     return cc
 
 
-def library_path(avx2_only: bool = False, csrc: Path = CSRC) -> Path:
+def library_path(avx2_only: bool = False, csrc: Path = CSRC, defines: tuple[str, ...] = ()) -> Path:
     """Where the library for this machine lives; built there first if it is not.
-    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512; ``csrc`` builds other
-    sources (a benchmark's baseline)."""
+    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512; ``csrc`` is the folder
+    of the sources (another version of them, for a benchmark's A/B); ``defines`` are macros
+    for the compiler (a test build of a path this CPU would not take)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"only built on Linux x86-64, this is {platform.platform()}")
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         raise KernelBuildError("the CPU has no AVX2 and FMA")
-    build_flags = (*FLAGS, *AVX2_ONLY) if avx2_only else FLAGS
+    build_flags = (*FLAGS, *(AVX2_ONLY if avx2_only else ()), *(f"-D{m}" for m in defines))
     cc = _compiler()
     try:
         version = subprocess.run(
@@ -104,10 +105,12 @@ def library_path(avx2_only: bool = False, csrc: Path = CSRC) -> Path:
     return lib
 
 
-def load_module(avx2_only: bool = False, csrc: Path = CSRC) -> ModuleType:
+def load_module(
+    avx2_only: bool = False, csrc: Path = CSRC, defines: tuple[str, ...] = ()
+) -> ModuleType:
     import torch  # noqa: F401  (torch's OpenMP runtime must be the one the module binds to)
 
-    path = library_path(avx2_only, csrc)
+    path = library_path(avx2_only, csrc, defines)
     try:
         loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
         spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)

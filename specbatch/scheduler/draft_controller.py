@@ -105,6 +105,7 @@ class DraftController:
         self._steps: defaultdict[int, int] = defaultdict(int)
         self.rate: float | None = None  # the engine's recent tokens per second
         self._rate_used = 0.0
+        self._behind: Counts = {}
         self.last: Plan | None = None
 
     # ---- expectations --------------------------------------------------------------------
@@ -132,11 +133,19 @@ class DraftController:
         return (got + TREE_PRIOR_ROUNDS * bound) / (rounds + TREE_PRIOR_ROUNDS)
 
     # ---- prices --------------------------------------------------------------------------
-    def seconds(self, counts: Counts, plan: Shapes, prompt_rows: int) -> float | None:
+    def seconds(
+        self, counts: Counts, plan: Shapes, prompt_rows: int, behind: Counts | None = None
+    ) -> float | None:
+        """Seconds of a step where each class drafts its shape; ``behind``: the tokens each
+        class's drafter must catch up on before drafting (it lags while a request drafts
+        nothing)."""
         rows = prompt_rows + sum(n * (1 + plan[c].nodes) for c, n in counts.items())
         t = self.target.seconds(rows)
         if t is None:
             return None
+        catch_up = sum(behind[c] for c in counts if behind and plan[c].nodes)
+        if catch_up:
+            t += self.drafter.seconds(catch_up) or 0.0
         depth = max(s.depth for s in plan.values())
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
@@ -154,6 +163,8 @@ class DraftController:
         self._class_of = {r.request_id: sampling_class(r) for r in requests}
         alphas = {c: self.alpha(c, rs) for c, rs in groups.items()}
         counts = {c: len(rs) for c, rs in groups.items()}
+        self._behind = {c: sum(r.num_tokens - r.num_draft_computed for r in rs)
+                        for c, rs in groups.items()}  # fmt: skip
         unpriced = self.target.level is None
         plan = {c: DraftShape() for c in groups}
         if not unpriced:
@@ -168,7 +179,7 @@ class DraftController:
         self, counts: Counts, alphas: Alphas, plan: Shapes, prompt_rows: int, rate: float
     ) -> float:
         """Expected tokens less what the step's seconds are worth at ``rate``."""
-        t = self.seconds(counts, plan, prompt_rows)
+        t = self.seconds(counts, plan, prompt_rows, self._behind)
         if t is None:
             return float("-inf")
         tokens = sum(n * self.tokens(c, alphas[c], plan[c]) for c, n in counts.items())
@@ -192,8 +203,9 @@ class DraftController:
         self.last = Plan(plan, best)
         return plan
 
-    def _runner_up(self, counts, alphas, prompt_rows, plan):
-        """The best plan that differs from ``plan`` in the largest class's shape."""
+    def _runner_up(self, counts: Counts, alphas: Alphas, prompt_rows: int, plan: Shapes) -> Shapes:
+        """The best plan that differs from ``plan`` in the largest class's shape, unless it is
+        expected to lose more than a tenth of a token a request (then ``plan`` again)."""
         c = max(counts, key=lambda c: counts[c])
         others = [s for s in self.shapes if s != plan[c]]
         if not others:
@@ -203,7 +215,11 @@ class DraftController:
         def value(s: DraftShape) -> float:
             return self._value(counts, alphas, {**plan, c: s}, prompt_rows, rate)
 
-        return {**plan, c: max(others, key=value)}
+        pick = max(others, key=value)
+        best = value(plan[c])
+        if best - value(pick) > 0.1 * sum(counts.values()):
+            return plan
+        return {**plan, c: pick}
 
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:

@@ -117,10 +117,21 @@ class EagleProposer(Drafter):
         return feature, self.head.compute_logits(hidden)
 
     def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
-        """Keep the features of the positions the target processed and kept: a prompt chunk's
-        rows, or a decoding request's last token and its accepted drafts."""
+        """Keep the features of the positions the target processed and kept (a prompt chunk's
+        rows, or a decoding request's last token and its accepted drafts), after those the
+        head has not caught up on yet: it lags while the policy gives a request no drafts."""
         assert outcome.target is not None
         features = outcome.target.features
         for r, rows in zip(step.requests, outcome.kept_rows, strict=True):
             index = torch.tensor(rows, dtype=torch.int64, device=features.device)
-            self.pending[r.request_id] = (r.target_start, features.index_select(0, index))
+            new = features.index_select(0, index)
+            seen = r.draft_start + len(r.draft_token_ids)  # the head holds what lies before
+            kept = self.pending.get(r.request_id)
+            if kept is not None:
+                start, old = kept
+                lo = max(seen, start)
+                old = old[lo - start : max(r.target_start - start, lo - start)]
+                if lo + len(old) == r.target_start and len(old):
+                    self.pending[r.request_id] = (lo, torch.cat([old, new]))
+                    continue
+            self.pending[r.request_id] = (r.target_start, new)

@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define MR 4
 #if SB_WIDE
@@ -242,9 +243,6 @@ SB_INLINE void tile_bf16(int tm, int mr, int np, int K, const uint16_t* x, long 
     else
         kernel_bf16(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, y_bf16, pf);
 }
-
-void sb_linear_bf16_amx(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*,
-                        void*, long, int);
 
 /* Set by sb_set_amx: bfloat16 multiplies with K a multiple of 32 go to gemm_amx.c. */
 static int use_amx = 0;
