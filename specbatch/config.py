@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specbatch.drafters import DRAFTERS
 from specbatch.errors import InvalidInputError
 from specbatch.options import check_options, option
 from specbatch.speculative_config import (
@@ -184,35 +185,36 @@ class EngineArgs:
         spec = self.speculative
         method, path, k = spec.method, spec.model, spec.num_speculative_tokens
         asked = self.speculative_config is not None
-        if path is None and method != "ngram" and k != 0 and self.model is None:
+        kind = DRAFTERS.get(method or "eagle")  # no method named: the built-in target's head
+        if path is None and kind.needs_model and k != 0 and self.model is None:
             # The built-in target speculates by default, with its EAGLE head (its draft model
             # when speculative_config asks for that method); either EAGLE name picks the head.
             builtin_draft = method == "draft_model" and asked
             path = default_model_path("draft" if builtin_draft else "eagle")
-            method = method if builtin_draft else "eagle"
-        elif path is None and method != "ngram" and asked:
+            kind = kind if builtin_draft else DRAFTERS["eagle"]
+        elif path is None and kind.needs_model and asked:
             raise InvalidInputError(
                 f"speculative_config.model: the {method} method needs a model (only the "
                 "built-in target has its own)",
                 "speculative_config.model",
             )
         draft = None
-        if path is not None and method in ("eagle", "eagle3"):
+        if path is not None and kind.reads_features:  # an EAGLE head, read as its method says
             draft = read_eagle_head(path, spec.method if spec.model else None, target)
-            method = "eagle"
+            kind = DRAFTERS["eagle"]
         elif path is not None:
             field = "speculative_config.model" if asked else "draft_model"
             draft = read_checkpoint(path, field, None, self.dtype, device)
             check_same_vocabulary(target, draft)
         if k is None:
-            k = DEFAULT_NUM_SPECULATIVE_TOKENS if draft is not None or method == "ngram" else 0
+            k = DEFAULT_NUM_SPECULATIVE_TOKENS if draft is not None or not kind.needs_model else 0
         depth = spec.max_draft_length if k == "auto" else k
-        if depth > 0 and draft is None and method != "ngram":
+        if depth > 0 and draft is None and kind.needs_model:
             raise InvalidInputError(
                 f"num_speculative_tokens={depth} needs a draft model (draft_model is not set)",
                 "num_speculative_tokens",
             )
-        method = method if depth > 0 else None
+        method = kind.method if depth > 0 else None
         return dataclasses.replace(spec, method=method, model=path, num_speculative_tokens=k), draft
 
     def _check_parallel(
