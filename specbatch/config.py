@@ -63,7 +63,7 @@ class EngineArgs:
 
     # fmt: off
     model: str | None = option(None, "target model: a Hugging Face checkpoint directory, a GGUF "
-        "file or a folder holding one (default: the built-in pair, when installed)", type=str,
+        "file or a folder holding one (default: the built-in pair, when installed)", type=Path,
         metavar="DIR")
     draft_model: str | None = shorthand("draft_model", "draft model (directory or GGUF file); "
         "must share the target's vocabulary; turns speculative decoding on")
@@ -75,7 +75,7 @@ class EngineArgs:
     num_speculative_tokens: int | str | None = shorthand("num_speculative_tokens")
     max_draft_length: int = shorthand("max_draft_length")
     tokenizer: str | None = option(None, "tokenizer directory or GGUF file (default: the "
-        "model's)", type=str, metavar="DIR")
+        "model's)", type=Path, metavar="DIR")
     dtype: str = option("auto", "weights and activations dtype; auto takes the checkpoint's (on "
         "a CPU: bfloat16 for 16-bit checkpoints where the CPU multiplies it natively, else "
         "float32)", choices=DTYPES)

@@ -11,23 +11,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specbatch.errors import InvalidInputError
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-          object: "a value"}  # fmt: skip
+          Path: "a path", object: "a value"}  # fmt: skip
 _PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
 
 
 @dataclass(frozen=True)
 class Option:
     help: str
-    # of one value: bool, int, float, str, or object (any: checked where it is read); None is
-    # allowed where it is the default
+    # of one value: bool, int, float, str, Path (a string or a path), or object (any: checked
+    # where it is read)
     type: type
     ge: float | None = None
     gt: float | None = None
@@ -85,7 +87,7 @@ class Option:
         if self.type is float:
             if not isinstance(v, (int, float)) or not _finite(v):
                 return False
-        elif not isinstance(v, self.type):
+        elif not isinstance(v, (str, os.PathLike) if self.type is Path else self.type):
             return False
         if self.choices:
             return v in self.choices

@@ -19,6 +19,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specbatch.draft_shape import DraftShape
@@ -36,7 +37,7 @@ class SpeculativeConfig:
     method: str | None = option(None, "the drafter (default: draft_model with a model)",
         type=str, choices=tuple(DRAFTERS))
     model: str | None = option(None, "the drafter's checkpoint: a draft model (directory or GGUF "
-        "file) or an EAGLE head", type=str, metavar="DIR")
+        "file) or an EAGLE head", type=Path, metavar="DIR")
     num_speculative_tokens: int | str | None = option(None, "draft tokens proposed per round, or "
         "auto: chosen per request and step for throughput, up to --max-draft-length (default: "
         f"{DEFAULT_NUM_SPECULATIVE_TOKENS} with a drafter, else 0)", type=int, ge=0,

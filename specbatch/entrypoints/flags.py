@@ -12,13 +12,14 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 from specbatch.config import EngineArgs
 from specbatch.options import Option, options_of
 from specbatch.sampling_params import SamplingParams
 
-METAVARS = {int: "N", float: "X", str: "TEXT", object: "TEXT"}
+METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH", object: "TEXT"}
 
 
 class CliParser(argparse.ArgumentParser):
@@ -48,7 +49,7 @@ def token_ids_arg(value: str) -> list[int]:
 
 def _parser(opt: Option) -> Callable[[str], Any] | None:
     """A flag's text as the option's type; its words (``auto``) pass as they are."""
-    kind = str if opt.type is object else opt.type
+    kind = str if opt.type in (object, Path) else opt.type
     if not opt.also:
         return kind
 
