@@ -29,6 +29,7 @@ from specbatch.options import check_options, option, options_of
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with a drafter and no draft length given
 MAX_TREE_NODES = 63
+TREE_CHILDREN = ("sampled", "top")  # drawn from q, or the top topk
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class SpeculativeConfig:
     topk: int = option(1, "a tree's children per expanded node (1: chains)", ge=1, flag=False)
     num_draft_tokens: int | None = option(None, "a tree's nodes (default: the most up to "
         f"{MAX_TREE_NODES})", type=int, ge=1, le=MAX_TREE_NODES, flag=False)
-    tree_children: str = option("sampled", "a tree's children drawn from q, or its top topk",
-        choices=("sampled", "top"), flag=False)
+    tree_children: str = option(TREE_CHILDREN[0], "a tree's children drawn from q, or its top "
+        "topk", choices=TREE_CHILDREN, flag=False)
     # fmt: on
 
     @property

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from specbatch.bench.drafts import TREE_SPELLING, parse_draft_length, parse_tree
 from specbatch.bench.offline import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_DRAFT_LENGTHS,
@@ -18,30 +19,46 @@ from specbatch.bench.offline import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_OUTPUT_LEN_SPREAD,
     INTERLEAVE,
-    draft_length_arg,
 )
+from specbatch.errors import InvalidInputError
+from specbatch.speculative_config import TREE_CHILDREN
 
-# Engine flags the command sets itself, per engine (auto's maximum: the largest K of
-# --draft-lengths).
+# Engine flags the command sets itself, per engine (auto's maximum: the deepest cell).
 _OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_draft_length", "max_num_seqs", "max_model_len")
 _OWN_SPEC_KEYS = ("num_speculative_tokens", "max_draft_length")
+# speculative_config keys the grid sets from its own flags
+_TREE_KEYS = {"topk": "--trees", "num_draft_tokens": "--trees", "tree_children": "--tree-children"}
 
 DESCRIPTION = """\
 Offline load test. For every batch size B (requests running concurrently: the engine is kept
-full at B, a new request taking the place of each finished one) and every draft length k
-(0: plain decoding of the target alone), run --num-requests requests of exactly --input-len
-prompt tokens and --output-len output tokens on average (spread by --output-len-spread), after
-a warm-up that is not counted. Reports per cell output tokens/s, time per output token (mean,
-p50, p99), time to first token, end-to-end latency, the measured acceptance rate and alpha,
-tokens per round, the draft/target cost ratio c, and the speedup over k=0 measured next to
-THEORY.md's prediction from alpha and c.
+full at B, a new request taking the place of each finished one) and every cell (a draft length
+k of --draft-lengths, 0 being plain decoding of the target alone, auto, or a draft tree of
+--trees), run --num-requests requests of exactly --input-len prompt tokens and --output-len
+output tokens on average (spread by --output-len-spread), after a warm-up that is not counted.
+Reports per cell output tokens/s, time per output token (mean, p50, p99), time to first token,
+end-to-end latency, the measured acceptance rate and alpha, tokens per round, the target's rows
+per step, the draft/target cost ratio c, the verify cost, and the speedup over k=0 measured
+next to THEORY.md's prediction from alpha and c (for a tree: a chain as deep, alpha being the
+chance its walk passes a level).
 Writes OUT.json, OUT.csv, OUT_throughput_latency.png and OUT_speedup.png.
 
-One engine per draft length, sharing the weights. By default the cells of a round run side by
-side, taking turns on the machine a step at a time, each measured in its engine's own time
-(--interleave steps), so the machine's drift falls on every draft length alike; --interleave
-cells runs them one after another instead. Default model: the built-in pair; default prompts:
+One engine per cell, sharing the weights. By default the cells of a round run side by side,
+taking turns on the machine a step at a time, each measured in its engine's own time
+(--interleave steps), so the machine's drift falls on every cell alike; --interleave cells runs
+them one after another instead. Default model: the built-in pair; default prompts:
 windows of the pair's held-out stdlib files."""
+
+
+def _arg(parse: Any) -> Any:
+    """An argparse type from a parser raising ``InvalidInputError``."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except InvalidInputError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
@@ -58,13 +75,31 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-lengths",
-        type=draft_length_arg,
+        type=_arg(parse_draft_length),
         nargs="+",
         default=list(DEFAULT_DRAFT_LENGTHS),
         metavar="K",
-        help="draft tokens per round, 0 = plain decoding, auto = num_speculative_tokens=auto "
-        f"up to the largest K ({SpeculativeConfig.max_draft_length} when none is given) "
+        help="chains of K draft tokens per round, 0 = plain decoding, auto = "
+        f"num_speculative_tokens=auto up to the deepest cell ({SpeculativeConfig.max_draft_length} "
+        "when no other drafts), with trees of the largest topk and nodes of --trees in its ladder "
         f"(default: {' '.join(map(str, DEFAULT_DRAFT_LENGTHS))})",
+    )
+    p.add_argument(
+        "--trees",
+        type=_arg(parse_tree),
+        nargs="+",
+        default=[],
+        metavar="DxK/N",
+        help="draft trees, cells beside the draft lengths: depth D (drafter passes a round), "
+        f"K >= 2 children per expanded node, N nodes verified ({TREE_SPELLING}; default: none)",
+    )
+    p.add_argument(
+        "--tree-children",
+        choices=TREE_CHILDREN,
+        default=TREE_CHILDREN[0],
+        help="the trees' children: sampled (drawn from q without replacement, verified by "
+        "recursive rejection sampling) or top (the top K, verified by the walk) "
+        f"(default: {TREE_CHILDREN[0]})",
     )
     p.add_argument(
         "--input-len",
@@ -156,7 +191,7 @@ def add_parser(subparsers: Any) -> Any:
     """Register ``bench`` and ``bench offline``; returns ``bench``'s sub-command action."""
     p = subparsers.add_parser(
         "bench",
-        help="load tests: offline (default) over batch sizes x draft lengths",
+        help="load tests: offline (default) over batch sizes x drafts (chains, trees, auto)",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -178,19 +213,32 @@ def config_from(args: argparse.Namespace) -> Any:
     from specbatch.bench.offline import BenchConfig
     from specbatch.config import EngineArgs
     from specbatch.entrypoints.flags import values_of
-    from specbatch.speculative_config import normalise
+    from specbatch.options import options_of
+    from specbatch.speculative_config import SpeculativeConfig, normalise
 
     skip = {"model", "draft_model", "seed", "speculative_config", *_OWN_ENGINE_FIELDS}
-    engine_kwargs = {k: v for k, v in values_of(args, EngineArgs).items() if k not in skip}
+    defaults = {name: default for name, _, default in options_of(EngineArgs)}
+    engine_kwargs = {
+        k: v for k, v in values_of(args, EngineArgs).items() if k not in skip and v != defaults[k]
+    }
     spec = None
     if args.speculative_config is not None:  # the drafter; its draft lengths are the grid's
         parsed = dataclasses.asdict(normalise(args.speculative_config))
-        spec = {k: v for k, v in parsed.items() if k not in _OWN_SPEC_KEYS and v is not None}
+        for key, flag in _TREE_KEYS.items():
+            if parsed[key] != getattr(SpeculativeConfig, key):
+                raise InvalidInputError(
+                    f"speculative_config.{key}: bench takes the grid's trees from {flag}",
+                    f"speculative_config.{key}",
+                )
+        own = {*_OWN_SPEC_KEYS, *_TREE_KEYS}
+        spec = {k: v for k, v in parsed.items() if k not in own and v is not None}
     return BenchConfig(
         model=args.model,
         draft_model=args.draft_model,
         batch_sizes=list(args.batch_sizes),
         draft_lengths=list(args.draft_lengths),
+        trees=list(args.trees),
+        tree_children=args.tree_children,
         input_len=args.input_len,
         output_len=args.output_len,
         output_len_spread=args.output_len_spread,
