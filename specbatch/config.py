@@ -241,29 +241,17 @@ class EngineArgs:
         """batch_invariant needs every op of a step to sum in an order that does not depend on
         the batch: specbatch's CPU kernels (matrix multiplies, attention, norms; the loader
         refuses to place a model without them), and draft lengths that do not depend on it."""
-        if device != "cpu":
-            raise InvalidInputError(
-                f"batch_invariant runs on a CPU (specbatch's kernels), not on device '{device}'",
-                "batch_invariant",
-            )
-        if spec.auto and spec.speculative:
-            raise InvalidInputError(
-                "batch_invariant needs a fixed num_speculative_tokens: 'auto' chooses draft "
-                "lengths from the batch",
-                "batch_invariant",
-            )
-        if self.attention_backend not in ("auto", "cpu"):
-            raise InvalidInputError(
-                "batch_invariant needs attention_backend 'cpu' (or 'auto'), got "
-                f"'{self.attention_backend}'",
-                "batch_invariant",
-            )
-        if self.dtype == "float16":
-            raise InvalidInputError(
-                "batch_invariant: dtype float16 has no kernel matrix multiply (float32 or "
-                "bfloat16)",
-                "batch_invariant",
-            )
+        for broken, why in (
+            (device != "cpu", f"runs on a CPU (specbatch's kernels), not on device '{device}'"),
+            (spec.auto and spec.speculative, "needs a fixed num_speculative_tokens: 'auto' "
+             "chooses draft lengths from the batch"),
+            (self.attention_backend not in ("auto", "cpu"), "needs attention_backend 'cpu' (or "
+             f"'auto'), got '{self.attention_backend}'"),
+            (self.dtype == "float16", "needs dtype float32 or bfloat16 (the kernels' matrix "
+             "multiplies), got float16"),
+        ):  # fmt: skip
+            if broken:
+                raise InvalidInputError(f"batch_invariant {why}", "batch_invariant")
 
 
 # Arguments the engine's configuration keeps as they were given.
