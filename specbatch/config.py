@@ -214,7 +214,7 @@ class EngineArgs:
                 f"num_speculative_tokens={depth} needs a draft model (draft_model is not set)",
                 "num_speculative_tokens",
             )
-        method = kind.method if depth > 0 else None
+        method, k = (kind.method, k) if depth > 0 else (None, 0)
         return dataclasses.replace(spec, method=method, model=path, num_speculative_tokens=k), draft
 
     def _check_parallel(
@@ -243,7 +243,7 @@ class EngineArgs:
         refuses to place a model without them), and draft lengths that do not depend on it."""
         for broken, why in (
             (device != "cpu", f"runs on a CPU (specbatch's kernels), not on device '{device}'"),
-            (spec.auto and spec.speculative, "needs a fixed num_speculative_tokens: 'auto' "
+            (spec.auto, "needs a fixed num_speculative_tokens: 'auto' "
              "chooses draft lengths from the batch"),
             (self.attention_backend not in ("auto", "cpu"), "needs attention_backend 'cpu' (or "
              f"'auto'), got '{self.attention_backend}'"),
@@ -268,17 +268,14 @@ _AS_GIVEN = (
 )
 
 
-def _spec(name: str) -> Any:
-    return property(lambda self: getattr(self.speculative_config, name))
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, checked and resolved."""
 
     target: ModelConfig
     draft: ModelConfig | None
-    speculative_config: SpeculativeConfig  # resolved: its method is None when not speculating
+    # resolved: its method None and its num_speculative_tokens 0 when not speculating
+    speculative_config: SpeculativeConfig
     device: str
     seed: int
     block_size: int
@@ -294,20 +291,6 @@ class EngineConfig:
     attention_backend: str
     batch_invariant: bool
     logprobs_mode: str
-    # What the worker reads of the drafter: the speculative_config's fields.
-    speculative = _spec("speculative")
-    draft_shape = _spec("shape")  # what each decoding request drafts, unless auto chooses
-    spec_method = _spec("method")
-    num_speculative_tokens = _spec("depth")
-    tree_children = _spec("tree_children")
-    prompt_lookup_min = _spec("prompt_lookup_min")
-    prompt_lookup_max = _spec("prompt_lookup_max")
-    draft_tensor_parallel_size = _spec("draft_tensor_parallel_size")
-
-    @property
-    def adaptive_speculation(self) -> bool:
-        """num_speculative_tokens="auto": the draft length chosen per request and step."""
-        return self.speculative_config.auto and self.speculative
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:

@@ -114,8 +114,8 @@ def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool
     """What the engine speculates with: a description, its draft length k and whether k is
     ``auto``'s maximum; refuses an engine that does not speculate (``asked``: the draft length
     the caller gave)."""
-    cfg = engine.config
-    if not cfg.speculative:
+    cfg, spec = engine.config, engine.config.speculative_config
+    if not spec.speculative:
         if asked == 0:
             raise InvalidInputError(
                 "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)",
@@ -123,7 +123,7 @@ def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool
             )
         raise InvalidInputError(NO_DRAFTER, "model")
     where = cfg.draft.path if cfg.draft is not None else "prompt lookup"
-    return f"{cfg.spec_method}: {where}", cfg.num_speculative_tokens, cfg.adaptive_speculation
+    return f"{spec.method}: {where}", spec.depth, spec.auto
 
 
 def verify_exactness(

@@ -241,7 +241,7 @@ def test_drafts_within_the_free_blocks_without_preempting():
 # ---- engine level -------------------------------------------------------------------------------
 def test_engine_args_accept_auto(pair):  # noqa: F811
     llm = engine(pair, "auto", max_draft_length=3)
-    assert llm.engine.config.adaptive_speculation
+    assert llm.engine.config.speculative_config.auto
     policy = llm.engine.scheduler.policy
     assert isinstance(policy, DraftController) and policy.shape.depth == 3
     out = llm.generate(
@@ -334,4 +334,4 @@ def test_engine_args_reject_bad_auto_settings(pair):  # noqa: F811
             target, draft, num_speculative_tokens="auto", max_draft_length=0
         ).create_engine_config()
     cfg = EngineArgs(target, draft, num_speculative_tokens=2, max_num_seqs=4).create_engine_config()
-    assert not cfg.adaptive_speculation and cfg.num_speculative_tokens == 2
+    assert not cfg.speculative_config.auto and cfg.speculative_config.depth == 2

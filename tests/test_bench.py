@@ -343,7 +343,8 @@ def test_each_repeat_runs_prompts_of_its_own(
             first = kw.get("first_prompt", 0)
             if num_requests == 3:  # a measured run, not a warm-up
                 prompts = tuple(tuple(workload.prompt(first + i)) for i in range(num_requests))
-                measured.append((batch_size, engine.config.num_speculative_tokens, first, prompts))
+                depth = engine.config.speculative_config.depth
+                measured.append((batch_size, depth, first, prompts))
             super().__init__(engine, workload, batch_size, num_requests, params, **kw)
 
     monkeypatch.setattr(offline, "CellRun", Recording)  # side by side

@@ -31,7 +31,8 @@ def test_pair_is_small_and_shares_a_tokenizer():
 def test_the_builtin_target_drafts_with_its_eagle3_head(spec):
     """Without a model, either EAGLE method name picks the head shipped with the target."""
     config = EngineArgs(speculative_config=spec).create_engine_config()
-    assert config.spec_method == "eagle" and config.num_speculative_tokens == 3
+    assert config.speculative_config.method == "eagle"
+    assert config.speculative_config.num_speculative_tokens == 3
     assert config.draft is not None and config.draft.path == default_model_path("eagle")
     assert detect_layout(config.draft.path) == "eagle3"
     assert_full_vocab_head_has_no_d2t(Path(config.draft.path))
@@ -43,7 +44,7 @@ def test_specbatch_greedy_equals_transformers_on_the_shipped_weights():
     # The built-in pair, speculating, in float32 as transformers runs it: in bfloat16 the two
     # round differently and a near-tie may go either way.
     llm = LLM(max_model_len=256, dtype="float32")
-    assert llm.engine.config.speculative
+    assert llm.engine.config.speculative_config.speculative
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     expected = hf_greedy(default_model_path("target"), ids, 24)

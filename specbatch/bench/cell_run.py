@@ -53,7 +53,8 @@ class PassCounts(EngineMetrics):
 
 def engine_draft(engine: LLMEngine) -> Draft:
     """What an engine drafts: ``auto``, or its fixed shape (``DraftShape()``: nothing)."""
-    return "auto" if engine.config.adaptive_speculation else engine.config.draft_shape
+    spec = engine.config.speculative_config
+    return "auto" if spec.auto else spec.shape
 
 
 class OwnClock:

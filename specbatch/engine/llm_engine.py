@@ -60,10 +60,11 @@ class LLMEngine:
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.stop_checker = StopChecker(self.tokenizer)
-        policy: SpeculationPolicy = FixedDraft(config.draft_shape)
-        kind = DRAFTERS.get(config.spec_method)
-        if config.adaptive_speculation:
-            largest = config.draft_shape
+        spec = config.speculative_config
+        policy: SpeculationPolicy = FixedDraft(spec.shape)
+        kind = DRAFTERS.get(spec.method)
+        if spec.auto:
+            largest = spec.shape
             policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
         self.scheduler = Scheduler(
             SchedulerLimits(
@@ -74,7 +75,7 @@ class LLMEngine:
             self.kv_cache,
             self.stop_checker,
             policy=policy,
-            speculative=config.speculative,
+            speculative=spec.speculative,
             draft_input=kind.draft_input if kind is not None else "none",
             batch_invariant=config.batch_invariant,
         )

@@ -167,7 +167,7 @@ class _EngineCollector(Collector):
             for key, value in values.items():
                 family.add_metric([model, str(key)], value)
             yield family
-        if e.config.adaptive_speculation:  # the draft lengths granted, 0 included
+        if e.config.speculative_config.auto:  # the draft lengths granted, 0 included
             counts = m.draft_length_counts
             lengths = range(e.scheduler.policy.shape.nodes + 1)
             buckets = [(str(k), sum(counts.get(j, 0) for j in range(k + 1))) for k in lengths]

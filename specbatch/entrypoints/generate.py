@@ -175,7 +175,7 @@ def _drive(
 ) -> int:
     from tqdm import tqdm
 
-    speculative = engine.config.speculative
+    speculative = engine.config.speculative_config.speculative
     has_tok = engine.tokenizer is not None
     start, tokens, finished = time.perf_counter(), 0, 0
     with tqdm(
