@@ -119,6 +119,11 @@ def options_of(cls: Any) -> Iterator[tuple[str, Option, Any]]:
             yield f.name, f.metadata["option"], f.default
 
 
+def declared(cls: Any, name: str) -> Option:
+    """The ``Option`` that ``cls`` declares for field ``name``."""
+    return next(opt for n, opt, _ in options_of(cls) if n == name)
+
+
 def check_value(name: str, value: Any, opt: Option, nullable: bool = False) -> None:
     """Raise ``InvalidInputError`` naming ``name`` unless ``value`` is of the option's type
     and within its limits (or None, where ``nullable``)."""

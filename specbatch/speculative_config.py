@@ -53,8 +53,9 @@ class SpeculativeConfig:
     topk: int = option(1, "a tree's children per expanded node (1: chains)", ge=1, flag=False)
     num_draft_tokens: int | None = option(None, "a tree's nodes (default: the most up to "
         f"{MAX_TREE_NODES})", type=int, ge=1, le=MAX_TREE_NODES, flag=False)
-    tree_children: str = option(TREE_CHILDREN[0], "a tree's children drawn from q, or its top "
-        "topk", choices=TREE_CHILDREN, flag=False)
+    tree_children: str = option(TREE_CHILDREN[0], "a tree's children: sampled (drawn from q "
+        "without replacement, verified by recursive rejection sampling) or top (the topk most "
+        "likely, verified by the walk)", choices=TREE_CHILDREN, flag=False)
     # fmt: on
 
     @property

@@ -60,6 +60,7 @@ from specbatch.bench.workload import WORKLOADS, build_workload, mixed, spread_ou
 from specbatch.draft_shape import DraftShape
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
+from specbatch.options import check_value, declared
 from specbatch.sampling_params import SamplingParams
 from specbatch.speculative_config import TREE_CHILDREN, SpeculativeConfig
 
@@ -139,9 +140,9 @@ class BenchConfig:
             problem = tree_problem(tree) if isinstance(tree, DraftShape) else None
             if not isinstance(tree, DraftShape) or problem is not None:
                 raise bad("trees", problem or f"must be DraftShapes, got {tree!r}")
-        if self.tree_children not in TREE_CHILDREN:
-            choices = ", ".join(TREE_CHILDREN)
-            raise bad("tree_children", f"must be one of {choices}, got {self.tree_children!r}")
+        check_value(
+            "tree_children", self.tree_children, declared(SpeculativeConfig, "tree_children")
+        )
         if self.input_len < 1 or self.output_len < 2:
             raise bad("input_len", "must be >= 1 (and output_len >= 2)")
         if not 0 <= self.output_len_spread < 1:

@@ -21,7 +21,8 @@ from specbatch.bench.offline import (
     INTERLEAVE,
 )
 from specbatch.errors import InvalidInputError
-from specbatch.speculative_config import TREE_CHILDREN
+from specbatch.options import declared
+from specbatch.speculative_config import TREE_CHILDREN, SpeculativeConfig
 
 # Engine flags the command sets itself, per engine (auto's maximum: the deepest cell).
 _OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_draft_length", "max_num_seqs", "max_model_len")
@@ -63,7 +64,6 @@ def _arg(parse: Any) -> Any:
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
     from specbatch.entrypoints.flags import add_engine_flags
-    from specbatch.speculative_config import SpeculativeConfig
 
     p.add_argument(
         "--batch-sizes",
@@ -97,9 +97,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         "--tree-children",
         choices=TREE_CHILDREN,
         default=TREE_CHILDREN[0],
-        help="the trees' children: sampled (drawn from q without replacement, verified by "
-        "recursive rejection sampling) or top (the top K, verified by the walk) "
-        f"(default: {TREE_CHILDREN[0]})",
+        help=f"{declared(SpeculativeConfig, 'tree_children').help} (default: {TREE_CHILDREN[0]})",
     )
     p.add_argument(
         "--input-len",
@@ -214,7 +212,7 @@ def config_from(args: argparse.Namespace) -> Any:
     from specbatch.config import EngineArgs
     from specbatch.entrypoints.flags import values_of
     from specbatch.options import options_of
-    from specbatch.speculative_config import SpeculativeConfig, normalise
+    from specbatch.speculative_config import normalise
 
     skip = {"model", "draft_model", "seed", "speculative_config", *_OWN_ENGINE_FIELDS}
     defaults = {name: default for name, _, default in options_of(EngineArgs)}
