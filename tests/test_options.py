@@ -5,6 +5,7 @@ drafter from ``speculative_config``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,33 @@ def test_a_shorthand_is_its_speculative_config_field(name: str) -> None:
             EngineArgs(**{name: bad})
         with pytest.raises(InvalidInputError, match=f"^speculative_config.{SHORTHANDS[name]} "):
             EngineArgs(speculative_config={"method": "ngram", SHORTHANDS[name]: bad})
+
+
+SPEC_OPTIONS = list(options_of(SpeculativeConfig))
+
+
+@pytest.mark.parametrize(("name", "opt", "default"), SPEC_OPTIONS, ids=[o[0] for o in SPEC_OPTIONS])
+def test_every_speculative_config_key_is_checked_once_as_declared(
+    name: str, opt: Option, default: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each key of ``speculative_config`` (the tree keys too) has its declared default, and a
+    value past its limit is refused, naming ``speculative_config.KEY`` and the limit, whether
+    ``LLM(...)`` takes it as a dict or the command line as JSON."""
+    assert getattr(SpeculativeConfig(), name) == default
+    bad = out_of_range(opt)
+    if bad is None:
+        return
+    spec = {"method": "ngram", name: bad}
+    with pytest.raises(InvalidInputError) as e:
+        EngineArgs(speculative_config=spec)
+    assert e.value.field == f"speculative_config.{name}"
+    assert str(e.value).startswith(f"speculative_config.{name} must be {opt.expected(True)}")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    argv = ["generate", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]
+    assert main([*argv, "--speculative-config", json.dumps(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: speculative_config.{name} must be" in err and opt.limit in err, err
 
 
 @pytest.fixture(scope="module")
