@@ -124,6 +124,17 @@ def declared(cls: Any, name: str) -> Option:
     return next(opt for n, opt, _ in options_of(cls) if n == name)
 
 
+def same_as(cls: Any, name: str, default: Any = dataclasses.MISSING, **changes: Any) -> Any:
+    """A field declaring ``cls``' option ``name`` again for another dataclass: the same type
+    and limits, the same default unless ``default`` is given; ``changes`` of the ``Option``
+    that are not None (its ``help``, whether it has a ``flag``)."""
+    opt = dataclasses.replace(
+        declared(cls, name), **{k: v for k, v in changes.items() if v is not None}
+    )
+    value = getattr(cls, name) if default is dataclasses.MISSING else default
+    return dataclasses.field(default=value, metadata={"option": opt})
+
+
 def check_value(name: str, value: Any, opt: Option, nullable: bool = False) -> None:
     """Raise ``InvalidInputError`` naming ``name`` unless ``value`` is of the option's type
     and within its limits (or None, where ``nullable``)."""

@@ -15,7 +15,6 @@ frozen ``SpeculativeConfig``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 from specbatch.draft_shape import DraftShape
 from specbatch.drafters import DRAFTERS
 from specbatch.errors import InvalidInputError
-from specbatch.options import check_options, option, options_of
+from specbatch.options import check_options, option, options_of, same_as
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with a drafter and no draft length given
 MAX_TREE_NODES = 63
@@ -94,10 +93,7 @@ _DEFAULTS = {name: default for name, _, default in options_of(SpeculativeConfig)
 
 def shorthand(name: str, help: str | None = None) -> Any:
     """``EngineArgs``' field for shorthand ``name``: the same option, declared once here."""
-    spec = next(f for f in dataclasses.fields(SpeculativeConfig) if f.name == SHORTHANDS[name])
-    opt = spec.metadata["option"]
-    opt = dataclasses.replace(opt, help=help) if help else opt
-    return dataclasses.field(default=spec.default, metadata={"option": opt})
+    return same_as(SpeculativeConfig, SHORTHANDS[name], help=help)
 
 
 def normalise(value: Mapping[str, Any] | str | None, **shorthands: Any) -> SpeculativeConfig:

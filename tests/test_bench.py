@@ -505,7 +505,7 @@ def test_bench_mixed_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from specbatch.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["bench", "--mixed", "1.5", "--batch-sizes", "1"])
-    assert config_from(ns).mixed_hard_temperature == 1.5
+    assert config_from(ns).mixed == 1.5
     assert main(["bench", "--mixed", "-1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--mixed" in err and "temperature" in err
@@ -541,7 +541,7 @@ def test_tree_cells_run_the_mixed_workload(make_checkpoint: Callable[..., Path])
         draft_lengths=[0, 2],
         trees=[DraftShape(2, 2, 5)],
         tree_children="top",
-        mixed_hard_temperature=1.0,
+        mixed=1.0,
         input_len=8,
         output_len=6,
         output_len_spread=0.0,

@@ -12,17 +12,10 @@ import dataclasses
 from typing import Any
 
 from specbatch.bench.drafts import TREE_SPELLING, parse_draft_length, parse_tree
-from specbatch.bench.offline import (
-    DEFAULT_BATCH_SIZES,
-    DEFAULT_DRAFT_LENGTHS,
-    DEFAULT_INPUT_LEN,
-    DEFAULT_OUTPUT_LEN,
-    DEFAULT_OUTPUT_LEN_SPREAD,
-    INTERLEAVE,
-)
+from specbatch.bench.offline import DEFAULT_BATCH_SIZES, DEFAULT_DRAFT_LENGTHS, BenchConfig
+from specbatch.entrypoints.flags import add_engine_flags, add_options, values_of
 from specbatch.errors import InvalidInputError
-from specbatch.options import declared
-from specbatch.speculative_config import TREE_CHILDREN, SpeculativeConfig
+from specbatch.speculative_config import SpeculativeConfig
 
 # Engine flags the command sets itself, per engine (auto's maximum: the deepest cell).
 _OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_draft_length", "max_num_seqs", "max_model_len")
@@ -63,8 +56,6 @@ def _arg(parse: Any) -> Any:
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
-    from specbatch.entrypoints.flags import add_engine_flags
-
     p.add_argument(
         "--batch-sizes",
         type=int,
@@ -94,94 +85,13 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         f"K >= 2 children per expanded node, N nodes verified ({TREE_SPELLING}; default: none)",
     )
     p.add_argument(
-        "--tree-children",
-        choices=TREE_CHILDREN,
-        default=TREE_CHILDREN[0],
-        help=f"{declared(SpeculativeConfig, 'tree_children').help} (default: {TREE_CHILDREN[0]})",
-    )
-    p.add_argument(
-        "--input-len",
-        type=int,
-        default=DEFAULT_INPUT_LEN,
-        metavar="N",
-        help=f"prompt tokens per request (default: {DEFAULT_INPUT_LEN})",
-    )
-    p.add_argument(
-        "--output-len",
-        type=int,
-        default=DEFAULT_OUTPUT_LEN,
-        metavar="N",
-        help=f"output tokens per request, on average (default: {DEFAULT_OUTPUT_LEN})",
-    )
-    p.add_argument(
-        "--output-len-spread",
-        type=float,
-        default=DEFAULT_OUTPUT_LEN_SPREAD,
-        metavar="S",
-        help="each prompt's output length uniform in --output-len x [1 - S, 1 + S], the same "
-        "for every draft length; 0: all exactly --output-len (default: "
-        f"{DEFAULT_OUTPUT_LEN_SPREAD})",
-    )
-    p.add_argument(
-        "--num-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="requests measured per cell (default: max(4 B, 16))",
-    )
-    p.add_argument(
-        "--prompts",
-        default=None,
-        metavar="FILE",
-        help="prompts file (.txt or .jsonl), each cut or repeated to --input-len tokens "
-        "(default: the built-in pair's held-out stdlib text; random ids without a tokenizer)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        metavar="T",
-        help="sampling temperature, 0 = greedy (default: 0)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run every cell N times, the draft lengths of a batch size in interleaved rounds, "
-        "and report each cell over all its runs: tokens/s as the output tokens over the "
-        "time, both summed (default: 1)",
-    )
-    p.add_argument(
-        "--interleave",
-        choices=INTERLEAVE,
-        default="steps",
-        help="steps: a round's cells side by side, in turns of one engine step, each timed on "
-        "its own clock; cells: one after another, each alone on the machine (default: steps)",
-    )
-    p.add_argument(
-        "--mixed",
-        type=float,
-        default=None,
-        metavar="T",
-        help="the mixed workload: easy requests (repetitive code, greedy) in turn with hard "
-        "ones (the prompts sampled at temperature T); --temperature is then unused",
-    )
-    p.add_argument(
-        "--workload",
-        choices=("heldout", "grounded"),
-        default="heldout",
-        help="heldout: windows of the built-in pair's held-out stdlib files; grounded: each a "
-        "held-out function followed by its first lines again, so outputs copy spans of the "
-        "prompt (what n-gram drafting is for; give --input-len 256 or so) (default: heldout)",
-    )
-    p.add_argument(
         "--out",
         default="bench_results/bench",
         metavar="PATH",
         help="output path without extension (default: bench_results/bench)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_options(p, BenchConfig, "bench options")
     add_engine_flags(p, skip=_OWN_ENGINE_FIELDS)
 
 
@@ -207,10 +117,8 @@ def add_parser(subparsers: Any) -> Any:
     return sub
 
 
-def config_from(args: argparse.Namespace) -> Any:
-    from specbatch.bench.offline import BenchConfig
+def config_from(args: argparse.Namespace) -> BenchConfig:
     from specbatch.config import EngineArgs
-    from specbatch.entrypoints.flags import values_of
     from specbatch.options import options_of
     from specbatch.speculative_config import normalise
 
@@ -236,37 +144,19 @@ def config_from(args: argparse.Namespace) -> Any:
         batch_sizes=list(args.batch_sizes),
         draft_lengths=list(args.draft_lengths),
         trees=list(args.trees),
-        tree_children=args.tree_children,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        output_len_spread=args.output_len_spread,
-        num_requests=args.num_requests,
-        prompts_file=args.prompts,
-        temperature=args.temperature,
-        mixed_hard_temperature=args.mixed,
-        repeats=args.repeats,
-        interleave=args.interleave,
         seed=args.seed,
         speculative_config=spec,
-        workload=args.workload,
         engine_kwargs=engine_kwargs,
+        **values_of(args, BenchConfig),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from specbatch.bench.offline import run_bench
     from specbatch.bench.report import format_report, write_all
-    from specbatch.errors import InvalidInputError
-    from specbatch.sampling_params import SamplingParams
 
     cfg = config_from(args)
-    cfg.check()
-    SamplingParams(temperature=cfg.temperature)  # a bad value fails before any model loads
-    if cfg.mixed_hard_temperature is not None:
-        try:
-            SamplingParams(temperature=cfg.mixed_hard_temperature)
-        except InvalidInputError as e:
-            raise InvalidInputError(f"mixed: {e}", "mixed") from None
+    cfg.check()  # a bad value fails before any model loads
     result = run_bench(cfg, progress=not args.no_progress)
     print(format_report(result), flush=True)
     for kind, path in write_all(result, args.out).items():
