@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import EngineArgs
@@ -30,7 +31,7 @@ from specbatch.exactness_report import (
     add_notes,
     format_report,
 )
-from specbatch.options import options_of
+from specbatch.options import check_options, option, options_of
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence_stats import compare_positions, samples_for
 
@@ -47,9 +48,21 @@ SET_BY_THE_CHECK = ("max_tokens", "min_tokens", "n", "logprobs", "stop", "stop_t
 SAMPLING = {n: d for n, o, d in options_of(SamplingParams) if o.flag and n not in SET_BY_THE_CHECK}
 
 
-def _check(name: str, ok: bool, limit: str, value: Any) -> None:
-    if not ok:
-        raise InvalidInputError(f"{name} must be {limit}, got {value!r}", name)
+@dataclass
+class CheckOptions:
+    """The check's own options (``verify_exactness``' keywords, ``specbatch verify``'s flags)."""
+
+    # fmt: off
+    num_samples: int | None = option(None, "samples per side (default: enough to catch a "
+        f"difference of {TARGET_TV:g} at every token)", type=int, ge=1, shown="an integer >= 1",
+        metavar="N")
+    tokens: int | None = option(None, "tokens per sample, the first from the prompt pass "
+        "(never from the draft) (default: the draft length k + 2)", type=int, ge=2,
+        shown="an integer >= 2", metavar="L")
+    alpha: float = option(1e-3, "significance level: the false-alarm rate", gt=0, lt=1,
+        metavar="A")
+    seed: int = option(0, "seed of the runs", ge=0)
+    # fmt: on
 
 
 def _is_int(value: Any) -> bool:
@@ -136,8 +149,8 @@ def verify_exactness(
     num_tokens: int | None = None,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
-    alpha: float = 1e-3,
-    seed: int = 0,
+    alpha: float = CheckOptions.alpha,
+    seed: int = CheckOptions.seed,
     engine_kwargs: Mapping[str, Any] | None = None,
     reference_model: str | None = None,
     progress: bool = False,
@@ -157,20 +170,8 @@ def verify_exactness(
     seed ``... + num_samples + i``, so no two requests share a random stream.
     Raises ``InvalidInputError`` for bad arguments (and whatever the engines raise).
     """
-    _check(
-        "num_samples",
-        num_samples is None or (_is_int(num_samples) and num_samples >= 1),
-        "an integer >= 1",
-        num_samples,
-    )
-    _check(
-        "tokens",
-        num_tokens is None or (_is_int(num_tokens) and num_tokens >= 2),
-        "an integer >= 2 (the first token comes from the prompt pass, never from the draft)",
-        num_tokens,
-    )
-    _check("alpha", isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0, "in (0, 1)", alpha)
-    _check("seed", _is_int(seed) and seed >= 0, "an integer >= 0", seed)
+    own = {"num_samples": num_samples, "tokens": num_tokens, "alpha": alpha, "seed": seed}
+    check_options(CheckOptions, own)
     if prompt is not None and prompt_token_ids is not None:
         raise InvalidInputError(
             "prompt: give a prompt text or prompt_token_ids, not both", "prompt"

@@ -8,6 +8,7 @@ from typing import Any
 from specbatch.config import EngineArgs
 from specbatch.entrypoints.flags import (
     add_engine_flags,
+    add_options,
     add_sampling_flags,
     token_ids_arg,
     values_of,
@@ -15,6 +16,7 @@ from specbatch.entrypoints.flags import (
 from specbatch.exactness import (
     DEFAULT_TEXT_PROMPT,
     SET_BY_THE_CHECK,
+    CheckOptions,
     format_report,
     verify_exactness,
 )
@@ -42,21 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--num-samples",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"samples per side (default: enough to catch a difference of {TARGET_TV:g} "
-        "at every token)",
-    )
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=None,
-        metavar="L",
-        help="tokens per sample (default: the draft length k + 2)",
-    )
+    add_options(p, CheckOptions, "check options")
     group = p.add_mutually_exclusive_group()
     group.add_argument(
         "--prompt",
@@ -70,14 +58,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="IDS",
         help="prompt as comma-separated token ids, e.g. 1,2,3",
     )
-    p.add_argument(
-        "--alpha",
-        type=float,
-        default=1e-3,
-        metavar="A",
-        help="significance level: the false-alarm rate (default: 0.001)",
-    )
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the runs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_sampling_flags(p, skip=SET_BY_THE_CHECK)
     drafter_help = "the drafter to check, as vLLM's JSON (default: the built-in EAGLE-3 head)"
