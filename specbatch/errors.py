@@ -23,10 +23,6 @@ class InvalidInputError(ValueError):
         text = str(self)
         return name + text[len(self.field) :] if self.field is not None else text
 
-    def about(self, field: str) -> InvalidInputError:
-        """The same error about ``field`` (the argument that named the checkpoint at fault)."""
-        return InvalidInputError(self.named(field), field) if self.field is not None else self
-
     def __reduce__(self) -> tuple:  # the field survives pickling (a Ray worker's error)
         return InvalidInputError, (str(self), self.field)
 
