@@ -20,6 +20,7 @@ from specbatch.errors import InvalidInputError
 from specbatch.options import check_options, option
 from specbatch.speculative_config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    MAX_TREE_NODES,
     SHORTHANDS,
     SpeculativeConfig,
     normalise,
@@ -206,9 +207,19 @@ class EngineArgs:
             field = "speculative_config.model" if asked else "draft_model"
             draft = read_checkpoint(path, field, None, self.dtype, device)
             check_same_vocabulary(target, draft)
-        if k is None:
-            k = DEFAULT_NUM_SPECULATIVE_TOKENS if draft is not None or not kind.needs_model else 0
+        if k is None and (draft is not None or not kind.needs_model):
+            # by default the controller decides (it drafts only where drafting pays); batch
+            # invariance needs draft lengths that do not depend on the batch
+            k = DEFAULT_NUM_SPECULATIVE_TOKENS if self.batch_invariant else "auto"
+        k = 0 if k is None else k
         depth = spec.max_draft_length if k == "auto" else k
+        if spec.topk > 1 and spec.topk * (depth - 1) > MAX_TREE_NODES + 1:
+            raise InvalidInputError(
+                f"speculative_config.topk x (num_speculative_tokens - 1) must be at most "
+                f"{MAX_TREE_NODES + 1} (the nodes a tree's drafter expands), got {spec.topk} x "
+                f"{depth - 1}",
+                "speculative_config.topk",
+            )
         if depth > 0 and draft is None and kind.needs_model:
             raise InvalidInputError(
                 f"num_speculative_tokens={depth} needs a draft model (draft_model is not set)",

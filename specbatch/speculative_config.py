@@ -26,7 +26,7 @@ from specbatch.drafters import DRAFTERS
 from specbatch.errors import InvalidInputError
 from specbatch.options import check_options, option, options_of, same_as
 
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with a drafter and no draft length given
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with batch_invariant, when no draft length is given
 MAX_TREE_NODES = 63
 TREE_CHILDREN = ("sampled", "top")  # drawn from q, or the top topk
 
@@ -39,9 +39,9 @@ class SpeculativeConfig:
     model: str | None = option(None, "the drafter's checkpoint: a draft model (directory or GGUF "
         "file) or an EAGLE head", type=Path, metavar="DIR")
     num_speculative_tokens: int | str | None = option(None, "draft tokens proposed per round, or "
-        "auto: chosen per request and step for throughput, up to --max-draft-length (default: "
-        f"{DEFAULT_NUM_SPECULATIVE_TOKENS} with a drafter, else 0)", type=int, ge=0,
-        also=("auto",), metavar="K|auto")
+        "auto: chosen per request and step for throughput, up to --max-draft-length; 0 turns "
+        f"speculation off (default: auto with a drafter, {DEFAULT_NUM_SPECULATIVE_TOKENS} with "
+        "--batch-invariant, else 0)", type=int, ge=0, also=("auto",), metavar="K|auto")
     max_draft_length: int = option(4, "the largest draft length auto may choose", ge=1,
         shown="an integer >= 1")
     prompt_lookup_max: int = option(4, "ngram: the longest suffix looked up", ge=1,
@@ -158,14 +158,4 @@ def _related(keys: dict[str, Any], name: Any) -> SpeculativeConfig:
             f"prompt_lookup_max ({lookup_max})",
             name("prompt_lookup_min"),
         )
-    spec = SpeculativeConfig(**keys)
-    k = spec.num_speculative_tokens
-    k = spec.max_draft_length if spec.auto else DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k
-    if spec.topk > 1 and k and spec.topk * (k - 1) > MAX_TREE_NODES + 1:
-        raise InvalidInputError(
-            f"{name('topk')} x (num_speculative_tokens - 1) must be at most "
-            f"{MAX_TREE_NODES + 1} (the nodes a tree's drafter expands), got {spec.topk} x "
-            f"{k - 1}",
-            name("topk"),
-        )
-    return spec
+    return SpeculativeConfig(**keys)

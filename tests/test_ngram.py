@@ -107,7 +107,8 @@ def test_speculative_config_and_shorthands(tiny_llama_checkpoint, make_checkpoin
     target = str(tiny_llama_checkpoint)
     cfg = EngineArgs(target, speculative_config={"method": "ngram"}).create_engine_config()
     spec = cfg.speculative_config
-    assert (spec.method, spec.num_speculative_tokens, cfg.draft) == ("ngram", 3, None)
+    assert (spec.method, spec.depth, cfg.draft) == ("ngram", 4, None)
+    assert spec.auto  # no length given: the controller chooses, up to 4
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4) and spec.speculative
     draft = str(make_checkpoint("llama", num_layers=1, seed=9))
     as_json = f'{{"model": "{draft}", "num_speculative_tokens": "auto", "max_draft_length": 6}}'
