@@ -2,9 +2,11 @@
 
 Speculative decoding must leave the target's output distribution unchanged, whatever the draft
 (THEORY.md). ``verify_exactness`` builds the engine as configured (by default the built-in target
-with its EAGLE head and the engine's draft length k), samples ``num_samples`` continuations of
-one prompt with it and as many from the same target with speculation off, each request with its
-own seed, and compares the two samples token by token (``specbatch.sequence_stats``).
+with its EAGLE head), at a fixed draft length k unless ``auto`` is asked for (the engine's own
+default, auto, chooses lengths per step and may leave draft positions unexercised), samples
+``num_samples`` continuations of one prompt with it and as many from the same target with
+speculation off, each request with its own seed, and compares the two samples token by token
+(``specbatch.sequence_stats``).
 
 The first token of every request comes from the prompt pass, and a round never proposes past
 ``max_tokens``: continuations of k + 2 tokens (the default) let the first round propose all k
@@ -16,6 +18,7 @@ side and not on the other fails.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from specbatch.exactness_report import (
 from specbatch.options import check_options, option, options_of
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence_stats import compare_positions, samples_for
+from specbatch.speculative_config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 DEFAULT_TEXT_PROMPT = "import os\nimport sys\n"
 NO_DRAFTER = (
@@ -159,13 +163,14 @@ def verify_exactness(
     """Compare speculative samples with as many plain samples of the target.
 
     ``model``, ``draft_model``, ``speculative_config`` and ``num_speculative_tokens`` mean what
-    they mean to ``EngineArgs`` (none given: the built-in pair as the engine runs it by
-    default); ``engine_kwargs`` are further ``EngineArgs`` fields for both engines (dtype,
-    device, num_kv_blocks, max_model_len, ...). ``num_tokens`` defaults to k + 2 and
-    ``num_samples`` to what catches a total-variation difference of ``TARGET_TV`` at every
-    token. ``sampling``: ``SamplingParams`` fields of both runs (those of ``SAMPLING``:
-    temperature, top_p, penalties...). ``reference_model`` (default: the target) is the model
-    of the plain run; pointing it at another model is how the test itself is tested.
+    they mean to ``EngineArgs`` (none given: the built-in pair), except that no draft length
+    given means ``DEFAULT_NUM_SPECULATIVE_TOKENS``, not auto; ``engine_kwargs`` are further
+    ``EngineArgs`` fields for both engines (dtype, device, num_kv_blocks, max_model_len, ...).
+    ``num_tokens`` defaults to k + 2 and ``num_samples`` to what catches a total-variation
+    difference of ``TARGET_TV`` at every token. ``sampling``: ``SamplingParams`` fields of both
+    runs (those of ``SAMPLING``: temperature, top_p, penalties...). ``reference_model``
+    (default: the target) is the model of the plain run; pointing it at another model is how the
+    test itself is tested.
     Speculative request ``i`` uses seed ``seed * 2 * num_samples + i`` and plain request ``i``
     seed ``... + num_samples + i``, so no two requests share a random stream.
     Raises ``InvalidInputError`` for bad arguments (and whatever the engines raise).
@@ -184,20 +189,24 @@ def verify_exactness(
     sampling = {**SAMPLING, **sampling}
     SamplingParams(**sampling)  # check the values before loading anything
     extra = {k: v for k, v in (engine_kwargs or {}).items() if k not in RESERVED}
-    spec_engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model,
-            draft_model=draft_model,
-            speculative_config=(
-                dict(speculative_config)
-                if isinstance(speculative_config, Mapping)
-                else speculative_config
-            ),
-            num_speculative_tokens=num_speculative_tokens,
-            seed=seed,
-            **extra,
-        )
+    args = EngineArgs(
+        model=model,
+        draft_model=draft_model,
+        speculative_config=(
+            dict(speculative_config)
+            if isinstance(speculative_config, Mapping)
+            else speculative_config
+        ),
+        num_speculative_tokens=num_speculative_tokens,
+        seed=seed,
+        **extra,
     )
+    if args.speculative.num_speculative_tokens is None:  # a fixed k: every position exercised
+        k = {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS}
+        if args.speculative_config is not None:
+            k = {"speculative_config": {**dataclasses.asdict(args.speculative), **k}}
+        args = dataclasses.replace(args, **k)
+    spec_engine = LLMEngine.from_engine_args(args)
     try:
         drafter, k, adaptive = _drafter(spec_engine, num_speculative_tokens)
         length = num_tokens if num_tokens is not None else k + 2

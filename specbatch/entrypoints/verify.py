@@ -22,10 +22,12 @@ from specbatch.exactness import (
 )
 from specbatch.exactness_report import POWER, TARGET_TV, USEFUL_TV
 from specbatch.sampling_params import SamplingParams
+from specbatch.speculative_config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 DESCRIPTION = f"""\
 Check that speculative decoding is exact on your own model pair, as the engine runs it (no
-flags: the built-in target with its EAGLE-3 head and the engine's draft length k). Samples
+flags: the built-in target with its EAGLE-3 head), at a fixed draft length k (default
+{DEFAULT_NUM_SPECULATIVE_TOKENS}; --num-speculative-tokens auto checks auto). Samples
 --num-samples continuations of --tokens tokens with speculation and as many without, and
 compares them token by token: each token's law given its prefix bin, a chi-square test per
 token, Bonferroni across tokens. Prints FAIL (exit 1) when the p-value is below --alpha,
