@@ -176,6 +176,7 @@ class EngineConfig:
     draft_topk: int = 1  # children per expanded node: 1 drafts chains
     num_draft_tokens: int = 0  # nodes of a tree (a chain: num_speculative_tokens)
     tree_children: str = "sampled"  # a tree's children drawn from q, or its top draft_topk
+    data_parallel_size: int = 1  # engine replicas, each a Ray actor (engine/data_parallel.py)
 
     @property
     def draft_shape(self) -> DraftShape:
@@ -213,6 +214,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     draft_tensor_parallel_size: int | None = None
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
@@ -249,6 +251,7 @@ class EngineArgs:
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive_int("data_parallel_size", self.data_parallel_size)
         if self.num_kv_blocks is not None:
             _check_positive_int("num_kv_blocks", self.num_kv_blocks)
         kv_bytes = (
@@ -386,6 +389,7 @@ class EngineArgs:
             draft_topk=spec.topk,
             num_draft_tokens=spec.num_draft_tokens or 0,
             tree_children=spec.tree_children,
+            data_parallel_size=self.data_parallel_size,
         )
 
     @staticmethod

@@ -125,6 +125,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("tensor_parallel_size", int, "target model shards (GPUs)", metavar="N"),
     Flag(
+        "data_parallel_size",
+        int,
+        "engine replicas, each a Ray actor with its own tensor-parallel group, spread over the "
+        "Ray cluster's nodes; requests go to whichever has room (generate) or the least "
+        "outstanding tokens (serve)",
+        metavar="N",
+    ),
+    Flag(
         "draft_tensor_parallel_size",
         int,
         "draft shards: 1 (replicated) or the target's tensor-parallel size (default 1)",

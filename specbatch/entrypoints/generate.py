@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specbatch.engine.data_parallel import DataParallelEngine, create_engine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.entrypoints.engine_flags import (
     add_engine_flags,
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     out_path = Path(args.output)
     done = load_finished(out_path, prompts) if args.resume else set()
     with ResultsFile(out_path) as sink:  # fails early if OUT is not writable
-        engine = LLMEngine.from_engine_args(engine_args_from(args))
+        engine = create_engine(engine_args_from(args))
         try:
             if not args.resume:
                 sink.clear()
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     args: argparse.Namespace,
     prompts: PromptsFile,
     base_params: dict[str, Any],
@@ -166,7 +167,7 @@ def _generate(
 
 
 def _drive(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     args: argparse.Namespace,
     pending: dict[str, PromptLine],
     done: set[int],

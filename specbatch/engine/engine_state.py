@@ -1,0 +1,77 @@
+"""What ``/metrics`` and the data-parallel router read from an engine: its counters and gauges at
+one moment, from one ``LLMEngine`` or summed over data-parallel replicas."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specbatch.engine.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from specbatch.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class EngineState:
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    running: int = 0  # requests with a completion in the batch (n > 1 counted once)
+    waiting: int = 0  # requests not yet in the batch
+    completions_running: int = 0
+    completions_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    draft_nodes: int | None = None  # with num_speculative_tokens=auto: the largest draft
+
+    @classmethod
+    def of(cls, engine: LLMEngine, copy_metrics: bool = False) -> EngineState:
+        """The engine's state now. ``copy_metrics``: a copy of its counters (taken on the
+        engine's own thread), not the live object."""
+        running, waiting = engine.num_requests()
+        n_run, n_all = len(engine.scheduler.running), len(engine.scheduler.requests)
+        metrics = copy.deepcopy(engine.metrics) if copy_metrics else engine.metrics
+        nodes = engine.scheduler.policy.shape.nodes if engine.config.adaptive_speculation else None
+        return cls(
+            metrics=metrics,
+            running=running,
+            waiting=waiting,
+            completions_running=n_run,
+            completions_waiting=n_all - n_run,
+            kv_blocks_total=engine.num_kv_blocks,
+            kv_blocks_used=engine.num_kv_blocks - engine.num_free_kv_blocks,
+            draft_nodes=nodes,
+        )
+
+
+def merge_metrics(parts: Iterable[EngineMetrics]) -> EngineMetrics:
+    """The counters of several engines added up."""
+    total = EngineMetrics()
+    for m in parts:
+        total.num_steps += m.num_steps
+        total.num_prompt_tokens += m.num_prompt_tokens
+        total.num_generated_tokens += m.num_generated_tokens
+        total.num_preemptions += m.num_preemptions
+        total.step_time_total += m.step_time_total
+        total.draft_time_total += m.draft_time_total
+        total.target_time_total += m.target_time_total
+        total.spec.merge(m.spec)
+        total.draft_length_counts.update(m.draft_length_counts)
+    return total
+
+
+def merge_states(states: Iterable[EngineState]) -> EngineState:
+    """Several engines' states as one: counts and blocks summed."""
+    states = list(states)
+    nodes = [s.draft_nodes for s in states if s.draft_nodes is not None]
+    return EngineState(
+        metrics=merge_metrics(s.metrics for s in states),
+        running=sum(s.running for s in states),
+        waiting=sum(s.waiting for s in states),
+        completions_running=sum(s.completions_running for s in states),
+        completions_waiting=sum(s.completions_waiting for s in states),
+        kv_blocks_total=sum(s.kv_blocks_total for s in states),
+        kv_blocks_used=sum(s.kv_blocks_used for s in states),
+        draft_nodes=max(nodes) if nodes else None,
+    )
