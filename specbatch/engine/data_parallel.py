@@ -172,7 +172,7 @@ class DataParallelEngine:
             self._feed()
         for i, (_, sent) in list(self._polls.items()):
             if time.monotonic() - sent > self.hung_after_s:
-                self._lose(i, f"no reply within {self.hung_after_s:g} s (hung?)")
+                self.lose(i, f"no reply within {self.hung_after_s:g} s (hung?)")
         self._check_live()
         for r in self.replica_set.live:
             if r.index not in self._polls:
@@ -189,7 +189,7 @@ class DataParallelEngine:
             try:
                 update = ray.get(ref)
             except ray.exceptions.RayError as e:
-                self._lose(i, failure_of(e))
+                self.lose(i, failure_of(e))
                 continue
             outputs.extend(self.absorb(i, update))
         if self._failures and not self.route_at_once:  # offline: a replica refused a request
@@ -271,7 +271,7 @@ class DataParallelEngine:
         self._waiting[i] = update.waiting
         self.router.update(i, update.applied_seq, update.outstanding_tokens)
         if update.error is not None:
-            self._lose(i, f"its engine failed: {update.error}")
+            self.lose(i, f"its engine failed: {update.error}")
             return []
         for rid, why in update.refused:
             if self._requests.pop(rid, None) is not None:
@@ -288,7 +288,7 @@ class DataParallelEngine:
             outputs.append(out)
         return outputs
 
-    def _lose(self, i: int, why: str) -> None:
+    def lose(self, i: int, why: str) -> None:
         """Replica ``i`` is down: its requests go to the others, but those already partly
         delivered, which fail."""
         self.replica_set.mark_down(i, why)
@@ -362,7 +362,7 @@ class DataParallelEngine:
             try:
                 states[i] = self._states[i] = ray.get(ref, timeout=STATS_TIMEOUT_S + 5)
             except ray.exceptions.RayError as e:
-                self._lose(i, failure_of(e))
+                self.lose(i, failure_of(e))
         return states
 
     @property
