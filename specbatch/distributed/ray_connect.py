@@ -94,10 +94,12 @@ def connect_ray(address: str | None) -> bool:
             if address:
                 ray.init(address=address, logging_level=logging.WARNING)
             else:
-                # A private instance on this machine, advertised on loopback (an offline
-                # machine's reported IP may not be reachable). Ray's authentication default
-                # and RAY_AUTH_MODE are left as they are.
+                # A private instance on this machine ("local": not a cluster that a `ray
+                # start` here advertised), on loopback (an offline machine's reported IP may
+                # not be reachable). Ray's authentication default and RAY_AUTH_MODE are left
+                # as they are.
                 ray.init(
+                    address="local",
                     include_dashboard=False,
                     object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                     logging_level=logging.WARNING,
