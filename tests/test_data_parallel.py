@@ -381,3 +381,22 @@ def test_a_replica_that_cannot_load_fails_the_launch_with_the_reason(
 def _placement_groups() -> set[str]:
     tables = ray.util.placement_group_table().values()
     return {t["placement_group_id"] for t in tables if t["state"] != "REMOVED"}
+
+
+# ---- bench ---------------------------------------------------------------------------------
+def test_bench_runs_each_cell_on_the_replicas_with_their_counters_reset(pair, cluster) -> None:
+    from specbatch.bench.offline import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        model=str(pair[0]), draft_model=str(pair[1]), batch_sizes=[4], draft_lengths=[0, 2],
+        input_len=8, output_len=16, output_len_spread=0.0, num_requests=12,
+        engine_kwargs={"data_parallel_size": 2, "num_kv_blocks": 256, "block_size": 4},
+    )  # fmt: skip
+    cells = run_bench(cfg, progress=False).cells
+    assert [(c.batch_size, c.draft_length, c.num_requests) for c in cells] == [
+        (4, 0, 12),
+        (4, 2, 12),
+    ]
+    for c in cells:  # the warm-up's tokens are not counted, on either replica
+        assert c.output_tokens == c.engine_generated_tokens == 12 * 16
+    assert cells[1].draft_tokens_proposed > 0 and cells[0].draft_tokens_proposed == 0

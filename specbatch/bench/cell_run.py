@@ -25,6 +25,7 @@ from typing import Any
 
 from specbatch.bench.cells import CellResult, latency_figures, spec_figures
 from specbatch.bench.workload import Workload
+from specbatch.engine.data_parallel import DataParallelEngine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
@@ -82,7 +83,7 @@ class CellRun:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | DataParallelEngine,
         workload: Workload,
         batch_size: int,
         num_requests: int,
@@ -146,7 +147,9 @@ class CellRun:
         wall = self.clock.seconds
         m = self.engine.metrics
         s = m.spec
-        timed = [self.clock.metrics(o.metrics) for o in self.finished]
+        # a data-parallel cell runs alone, its requests timed in the replicas' processes
+        dp = isinstance(self.engine, DataParallelEngine)
+        timed = [o.metrics if dp else self.clock.metrics(o.metrics) for o in self.finished]
         latencies = {
             "tpot": [t for r in timed if (t := r.time_per_output_token) is not None],
             "ttft": [t for r in timed if (t := r.time_to_first_token) is not None],
@@ -155,10 +158,9 @@ class CellRun:
         out_tokens = sum(len(o.outputs[0].token_ids) for o in self.finished)
         steps = max(m.num_steps, 1)
         full = self.full_batch
-        policy = self.engine.scheduler.policy
         return CellResult(
             batch_size=self.batch_size,
-            draft_length=policy.shape.depth if self.engine.config.speculative else 0,
+            draft_length=_draft_depth(self.engine) if self.engine.config.speculative else 0,
             num_requests=len(self.finished),
             input_len=self.workload.input_len,
             output_len=self.workload.output_len,
@@ -178,6 +180,12 @@ class CellRun:
         )
 
 
+def _draft_depth(engine: LLMEngine | DataParallelEngine) -> int:
+    if isinstance(engine, DataParallelEngine):
+        return engine.config.draft_shape.depth
+    return engine.scheduler.policy.shape.depth
+
+
 def run_side_by_side(runs: Sequence[CellRun]) -> list[CellResult]:
     """Step the cells in turns until all are done, the one with the least machine time so far
     next (ties: the earlier in ``runs``). On an error every cell's requests are aborted."""
@@ -194,7 +202,7 @@ def run_side_by_side(runs: Sequence[CellRun]) -> list[CellResult]:
 
 
 def run_cell(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     workload: Workload,
     batch_size: int,
     num_requests: int,

@@ -56,6 +56,7 @@ from specbatch.bench.cells import (
 )
 from specbatch.bench.workload import WORKLOADS, build_workload, mixed, spread_output_lengths
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
+from specbatch.engine.data_parallel import DataParallelEngine, create_engine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
@@ -205,7 +206,7 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
+def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine | DataParallelEngine:
     """The engine of draft length ``k``: plain for 0, ``auto`` up to the grid's largest."""
     model_len = cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
@@ -220,10 +221,10 @@ def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
         kwargs["num_speculative_tokens"] = draft_length
         kwargs["max_draft_length"] = cfg.max_draft_length
     args = EngineArgs(model=cfg.model, seed=cfg.seed, **kwargs)
-    return LLMEngine.from_engine_args(args)
+    return create_engine(args)
 
 
-def share_weights(engines: Sequence[LLMEngine]) -> None:
+def share_weights(engines: Sequence[LLMEngine | DataParallelEngine]) -> None:
     """Point every in-process engine's target (and draft) at the first one's tensors: they are
     the same checkpoint, and side by side (cell_run.py) each engine's step would otherwise
     begin by reading its own copy back into the caches that the other engines' steps evicted,
@@ -231,7 +232,7 @@ def share_weights(engines: Sequence[LLMEngine]) -> None:
     keep their own."""
     first: dict[str, torch.nn.Module] = {}
     for engine in engines:
-        worker = getattr(engine.executor, "worker", None)
+        worker = getattr(getattr(engine, "executor", None), "worker", None)
         if worker is None:
             continue
         for role in ("target", "draft"):
@@ -268,10 +269,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
     cells: list[CellResult] = []
     source = ""
+    # data-parallel replicas step on their own, so cells cannot take turns: one after another
+    data_parallel = int(cfg.engine_kwargs.get("data_parallel_size") or 1) > 1
     # One engine per draft length, all up for the whole run, so that the cells of a round can
     # run side by side. The auto row's policy lives as long as its engine, as in a server: it
     # learns in its first cells and keeps learning from every later auto cell.
-    engines: dict[int, LLMEngine] = {}
+    engines: dict[int, LLMEngine | DataParallelEngine] = {}
     try:
         for k in lengths:
             engines[k] = _engine(cfg, k, max(sizes))
@@ -299,7 +302,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                 if bar is not None:
                     bar.set_description(f"bench B={b} round {r + 1}/{cfg.repeats}")
                 first = WARMUP_REQUESTS + r * n
-                if cfg.interleave == "steps":
+                if cfg.interleave == "steps" and not data_parallel:
                     for k in order:
                         run_cell(engines[k], workload, b, min(b, WARMUP_REQUESTS), warm)
                     cell_runs = [

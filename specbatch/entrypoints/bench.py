@@ -49,7 +49,8 @@ One engine per draft length, sharing the weights. By default the cells of a roun
 side, taking turns on the machine a step at a time, each measured in its engine's own time
 (--interleave steps), so the machine's drift falls on every draft length alike; --interleave
 cells runs them one after another instead. Default model: the built-in pair; default prompts:
-windows of the pair's held-out stdlib files."""
+windows of the pair's held-out stdlib files. With --data-parallel-size N, each engine is N
+replicas on a Ray cluster and B counts the requests running on all of them together."""
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
@@ -131,7 +132,8 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         choices=INTERLEAVE,
         default="steps",
         help="steps: a round's cells side by side, in turns of one engine step, each timed on "
-        "its own clock; cells: one after another, each alone on the machine (default: steps)",
+        "its own clock; cells: one after another, each alone on the machine (default: steps; "
+        "with --data-parallel-size above 1 always cells: replicas step on their own)",
     )
     p.add_argument(
         "--mixed",
