@@ -104,6 +104,9 @@ def connect_ray(address: str | None) -> bool:
                     object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                     logging_level=logging.WARNING,
                     _node_ip_address="127.0.0.1",
+                    # Ray runs its workers at nice 15, as background work; here they are
+                    # the engine, and would yield the CPU to every other process
+                    _system_config={"worker_niceness": 0},
                 )
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"

@@ -13,6 +13,7 @@ this replica's bundle of the placement group.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,24 @@ from specbatch.config import EngineConfig
 from specbatch.engine.engine_state import EngineState
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _run_at_normal_priority() -> None:
+    """Undo the niceness Ray gives its workers (15, unless the cluster was started with
+    ``RAY_worker_niceness=0``): a replica is the engine, not background work. Lowering it needs
+    the privilege to; without it the replica says so and runs on."""
+    if os.nice(0) <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        logger.warning(
+            "this replica runs at nice %d and cannot lower it; start the Ray nodes with "
+            "RAY_worker_niceness=0 so that it does not yield the CPU to other work",
+            os.nice(0),
+        )
 
 
 @dataclass
@@ -111,6 +130,7 @@ class EngineReplica:
         from specbatch.engine.llm_engine import LLMEngine
 
         torch.set_num_threads(threads)
+        _run_at_normal_priority()
         executor = None
         if config.tensor_parallel_size > 1:
             from specbatch.worker.ray_executor import THREADS_ENV, RayExecutor
