@@ -52,10 +52,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, however it dies (Linux), so that a
+    killed test run leaves no Ray node behind."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _ray_start(*args: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", *args]
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=150000000"]
-    return subprocess.Popen(cmd + common, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        cmd + common,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -400,3 +414,27 @@ def test_bench_runs_each_cell_on_the_replicas_with_their_counters_reset(pair, cl
     for c in cells:  # the warm-up's tokens are not counted, on either replica
         assert c.output_tokens == c.engine_generated_tokens == 12 * 16
     assert cells[1].draft_tokens_proposed > 0 and cells[0].draft_tokens_proposed == 0
+
+
+# ---- with tensor parallelism ---------------------------------------------------------------
+def test_each_replica_has_its_own_tensor_parallel_group_on_its_node(dp1, pair, cluster) -> None:
+    before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    llm = spec_llm(pair, max_num_seqs=8, data_parallel_size=2, tensor_parallel_size=2)
+    try:
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        want = dp1.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        ranks = [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("specbatch-tp") and a["name"] not in before
+        ]
+        nodes = [
+            ray.get(ray.get_actor(a["name"], a["namespace"]).where.remote(), timeout=30)[0]
+            for a in ranks
+        ]
+        replicas = {r.node_id for r in llm.engine.replicas}
+        assert len(ranks) == 4 and len(replicas) == 2
+        assert sorted(nodes) == sorted([*replicas, *replicas])  # two ranks beside each replica
+    finally:
+        llm.shutdown()
