@@ -118,8 +118,16 @@ def bench_serve(dp: int, rates: str, args: argparse.Namespace, work: Path) -> li
     port = free_port()
     log = open(work / f"serve_{dp}.log", "w")  # noqa: SIM115 (held while the server runs)
     server = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port), "--data-parallel-size", str(dp)]
-        + ["--log-level", "warning"],
+        [
+            *CLI,
+            "serve",
+            "--port",
+            str(port),
+            "--data-parallel-size",
+            str(dp),
+            "--log-level",
+            "warning",
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env(dp),

@@ -35,6 +35,7 @@ import pytest
 
 from specbatch import LLM, EngineError, InvalidInputError, SamplingParams
 from specbatch.config import EngineArgs
+from specbatch.draft_shape import DraftShape
 from tests.helpers import make_perturbed_draft
 from tests.test_cli_errors import with_nans
 
@@ -403,17 +404,23 @@ def test_bench_runs_each_cell_on_the_replicas_with_their_counters_reset(pair, cl
 
     cfg = BenchConfig(
         model=str(pair[0]), draft_model=str(pair[1]), batch_sizes=[4], draft_lengths=[0, 2],
-        input_len=8, output_len=16, output_len_spread=0.0, num_requests=12,
+        trees=[DraftShape(2, 2, 4)], input_len=8, output_len=16, output_len_spread=0.0,
+        num_requests=12,
         engine_kwargs={"data_parallel_size": 2, "num_kv_blocks": 256, "block_size": 4},
     )  # fmt: skip
-    cells = run_bench(cfg, progress=False).cells
-    assert [(c.batch_size, c.draft_length, c.num_requests) for c in cells] == [
-        (4, 0, 12),
-        (4, 2, 12),
+    plain, chain, tree = run_bench(cfg, progress=False).cells
+    assert [(str(c.draft), c.batch_size, c.num_requests) for c in (plain, chain, tree)] == [
+        ("0", 4, 12),
+        ("2", 4, 12),
+        ("2x2/4", 4, 12),
     ]
-    for c in cells:  # the warm-up's tokens are not counted, on either replica
+    for c in (plain, chain, tree):  # the warm-up's tokens are not counted, on either replica
         assert c.output_tokens == c.engine_generated_tokens == 12 * 16
-    assert cells[1].draft_tokens_proposed > 0 and cells[0].draft_tokens_proposed == 0
+        assert c.target_rows_per_step > 0  # the pass counts come back from both replicas
+    assert plain.draft_tokens_proposed == 0 and plain.draft_passes_per_step == 0
+    for c in (chain, tree):
+        assert c.draft_tokens_proposed > 0 and c.draft_passes_per_step > 0
+    assert 2 < tree.mean_draft_length <= 4  # type: ignore[operator]
 
 
 # ---- with tensor parallelism ---------------------------------------------------------------

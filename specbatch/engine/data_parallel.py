@@ -24,6 +24,7 @@ a counter as one engine would, so replicas never share a random stream.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -243,7 +244,7 @@ class DataParallelEngine:
         i: int,
         adds: list[ReplicaRequest] | None = None,
         aborts: list[str] | None = None,
-        reset_metrics: bool = False,
+        reset_metrics: EngineMetrics | None = None,
     ) -> int:
         r = self.replicas[i]
         if not r.alive:
@@ -329,13 +330,14 @@ class DataParallelEngine:
 
     @metrics.setter
     def metrics(self, value: EngineMetrics) -> None:
-        """Reset the counters (only an empty ``EngineMetrics`` is accepted)."""
-        if value != EngineMetrics():
+        """Reset the counters: every replica counts from a copy of ``value``, which must be
+        fresh (an ``EngineMetrics``, or a subclass counting more, as created)."""
+        if value != type(value)():
             raise ValueError("a data-parallel engine's metrics can only be reset")
         for r in self.replica_set.live:
-            self._submit(r.index, reset_metrics=True)
+            self._submit(r.index, reset_metrics=copy.deepcopy(value))
         for s in self._states:
-            s.metrics = EngineMetrics()
+            s.metrics = copy.deepcopy(value)
 
     def state(self) -> EngineState:
         """The replicas' states added up, as of their last updates; requests queued here

@@ -22,6 +22,7 @@ from typing import Any
 
 from specbatch.config import EngineConfig
 from specbatch.engine.engine_state import EngineState
+from specbatch.engine.metrics import EngineMetrics
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 
@@ -69,7 +70,7 @@ class Control:
     seq: int
     adds: list[ReplicaRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
-    reset_metrics: bool = False
+    reset_metrics: EngineMetrics | None = None  # fresh counters to count in from now on
 
 
 @dataclass
@@ -246,10 +247,8 @@ class EngineReplica:
 
     def _apply(self, control: Control, refused: list[tuple[str, str]]) -> None:
         e = self.engine
-        if control.reset_metrics:
-            from specbatch.engine.metrics import EngineMetrics
-
-            e.metrics = EngineMetrics()
+        if control.reset_metrics is not None:
+            e.metrics = control.reset_metrics
         if control.aborts:
             e.abort_request(control.aborts)
             for rid in control.aborts:

@@ -4,11 +4,15 @@ one moment, from one ``LLMEngine`` or summed over data-parallel replicas."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specbatch.engine.metrics import EngineMetrics
+from specbatch.request import SpecStats
+from specbatch.scheduler.draft_controller import speedup_of
 
 if TYPE_CHECKING:
     from specbatch.engine.llm_engine import LLMEngine
@@ -24,6 +28,13 @@ class EngineState:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     draft_nodes: int | None = None  # with num_speculative_tokens=auto: the largest draft
+    # auto: its plans' expected tokens and seconds, and no drafts' (DraftController.expected)
+    auto_expected: tuple[float, float, float, float] | None = None
+
+    @property
+    def estimated_speedup(self) -> float | None:
+        """auto: its plans' expected tokens/s over no drafts' (None: not auto, or unmeasured)."""
+        return None if self.auto_expected is None else speedup_of(self.auto_expected)
 
     @classmethod
     def of(cls, engine: LLMEngine, copy_metrics: bool = False) -> EngineState:
@@ -32,7 +43,10 @@ class EngineState:
         running, waiting = engine.num_requests()
         n_run, n_all = len(engine.scheduler.running), len(engine.scheduler.requests)
         metrics = copy.deepcopy(engine.metrics) if copy_metrics else engine.metrics
-        nodes = engine.scheduler.policy.shape.nodes if engine.config.adaptive_speculation else None
+        auto = engine.config.adaptive_speculation
+        policy = engine.scheduler.policy
+        nodes = policy.shape.nodes if auto else None
+        expected = getattr(policy, "expected", None) if auto else None
         return cls(
             metrics=metrics,
             running=running,
@@ -42,22 +56,24 @@ class EngineState:
             kv_blocks_total=engine.num_kv_blocks,
             kv_blocks_used=engine.num_kv_blocks - engine.num_free_kv_blocks,
             draft_nodes=nodes,
+            auto_expected=tuple(expected) if expected is not None else None,
         )
 
 
 def merge_metrics(parts: Iterable[EngineMetrics]) -> EngineMetrics:
-    """The counters of several engines added up."""
-    total = EngineMetrics()
+    """The counters of several engines added up, as the first one's class (a subclass's own
+    counters included); every field is a number, a ``SpecStats`` or a ``Counter``."""
+    parts = list(parts)
+    total = type(parts[0])() if parts else EngineMetrics()
     for m in parts:
-        total.num_steps += m.num_steps
-        total.num_prompt_tokens += m.num_prompt_tokens
-        total.num_generated_tokens += m.num_generated_tokens
-        total.num_preemptions += m.num_preemptions
-        total.step_time_total += m.step_time_total
-        total.draft_time_total += m.draft_time_total
-        total.target_time_total += m.target_time_total
-        total.spec.merge(m.spec)
-        total.draft_length_counts.update(m.draft_length_counts)
+        for f in dataclasses.fields(total):
+            mine, theirs = getattr(total, f.name), getattr(m, f.name)
+            if isinstance(mine, SpecStats):
+                mine.merge(theirs)
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+            else:
+                setattr(total, f.name, mine + theirs)
     return total
 
 
@@ -65,6 +81,7 @@ def merge_states(states: Iterable[EngineState]) -> EngineState:
     """Several engines' states as one: counts and blocks summed."""
     states = list(states)
     nodes = [s.draft_nodes for s in states if s.draft_nodes is not None]
+    expected = [s.auto_expected for s in states if s.auto_expected is not None]
     return EngineState(
         metrics=merge_metrics(s.metrics for s in states),
         running=sum(s.running for s in states),
@@ -74,4 +91,5 @@ def merge_states(states: Iterable[EngineState]) -> EngineState:
         kv_blocks_total=sum(s.kv_blocks_total for s in states),
         kv_blocks_used=sum(s.kv_blocks_used for s in states),
         draft_nodes=max(nodes) if nodes else None,
+        auto_expected=tuple(map(sum, zip(*expected))) if expected else None,  # type: ignore[arg-type]
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specbatch.engine.data_parallel import DataParallelEngine, create_engine
+from specbatch.engine.engine_state import EngineState
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.entrypoints.engine_flags import (
     add_engine_flags,
@@ -215,5 +216,11 @@ def _drive(
             f"; acceptance rate {spec['acceptance_rate']:.3f} (alpha {spec['alpha']:.3f}), "
             f"{spec['mean_tokens_per_round']:.2f} tokens per round"
         )
+    if speculative and spec.get("drafting_share") is not None:
+        summary += f"; drafts in {100 * spec['drafting_share']:.0f}% of decoding steps"
+        state = engine.state() if isinstance(engine, DataParallelEngine) else EngineState.of(engine)
+        gain = state.estimated_speedup
+        if gain is not None:
+            summary += f" (estimated {gain:.2f}x the tokens/s of no drafts)"
     _say(summary)
     return 1 if num_rejected else 0

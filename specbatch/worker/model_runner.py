@@ -104,10 +104,19 @@ class ModelRunner:
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of slots ``src`` into slots ``dst`` in every layer."""
+        if not self.kv_caches:
+            return
         s = torch.tensor(src, dtype=torch.int64, device=self.device)
         d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        k0, v0 = self.kv_caches[0]
+        (k_src, v_src), (k_dst, v_dst) = (
+            self.backend.slot_rows(k0, v0, s),
+            (self.backend.slot_rows(k0, v0, d)),
+        )
         for k_cache, v_cache in self.kv_caches:
-            self.backend.move_slots(k_cache, v_cache, s, d)
+            for cache, a, b in ((k_cache, k_src, k_dst), (v_cache, v_src, v_dst)):
+                rows = self.backend.cache_rows(cache)
+                rows.index_copy_(0, b, rows.index_select(0, a))
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, logits_rows: torch.Tensor | None) -> torch.Tensor:
