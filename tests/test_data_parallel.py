@@ -36,6 +36,7 @@ import pytest
 from specbatch import LLM, EngineError, InvalidInputError, SamplingParams
 from specbatch.config import EngineArgs
 from specbatch.draft_shape import DraftShape
+from specbatch.engine.prometheus import parse_metrics
 from tests.helpers import make_perturbed_draft
 from tests.test_cli_errors import with_nans
 
@@ -369,8 +370,26 @@ def test_serve_with_a_replica_killed_fails_its_stream_retries_the_rest_and_keeps
         assert f'specbatch:replica_healthy{{model_name="{long_model}",replica="{victim}"}} 0.0' in (
             metrics
         )
-        state = dp.replica_states()[1 - victim]
-        assert state is not None and state.kv_blocks_used == 0
+        # a client that goes away: its request is aborted on its replica, not run to the end
+        before = dp.replica_states()[1 - victim].metrics.num_generated_tokens  # type: ignore[union-attr]
+        with client.stream("POST", url, json={**body, "stream": True}) as s:
+            assert next(line for line in s.iter_lines() if line).startswith("data: {")
+        deadline = time.monotonic() + 30
+        while (state := dp.replica_states()[1 - victim]) is not None and state.running:
+            assert time.monotonic() < deadline, "the disconnected request still runs"
+            time.sleep(0.05)
+        assert state is not None and state.kv_blocks_used == 0 and not dp._requests
+        assert state.metrics.num_generated_tokens - before < 1800
+        # /metrics: the survivor's gauges alone, and every replica's counters summed
+        page = parse_metrics(client.get(f"{server.url}/metrics").text)
+        assert page["specbatch:kv_blocks_total"] == dp.replicas[1 - victim].num_kv_blocks
+        assert page["specbatch:num_requests_running"] == page["specbatch:kv_blocks_used"] == 0
+        assert page['specbatch:request_success_total{finished_reason="abort"}'] == 1
+        survivor = dp._states[1 - victim].metrics.num_generated_tokens
+        assert page["specbatch:generation_tokens_total"] == sum(
+            st.metrics.num_generated_tokens for st in dp._states
+        )
+        assert page["specbatch:generation_tokens_total"] > survivor  # the victim's count too
 
 
 # ---- launch failures -----------------------------------------------------------------------

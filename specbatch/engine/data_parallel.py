@@ -268,6 +268,8 @@ class DataParallelEngine:
     def absorb(self, i: int, update: ReplicaUpdate) -> list[RequestOutput]:
         """Take in replica ``i``'s update: the outputs to deliver (requests aborted or moved
         meanwhile left out)."""
+        if not self.replicas[i].alive:  # a late reply from a replica already down
+            return []
         self._states[i] = update.state
         self._waiting[i] = update.waiting
         self.router.update(i, update.applied_seq, update.outstanding_tokens)
@@ -294,6 +296,9 @@ class DataParallelEngine:
         delivered, which fail."""
         self.replica_set.mark_down(i, why)
         self.router.remove(i)
+        # its counters stay in the sums (they never go back), its gauges leave them
+        self._states[i] = EngineState(metrics=self._states[i].metrics)
+        self._waiting[i] = 0
         self._polls.pop(i, None)
         moved = sorted(
             (e for e in self._requests.values() if e.replica == i), key=lambda e: e.order
