@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import EngineArgs, EngineConfig
+from specbatch.distributed.ray_settings import DEFAULT_STEP_TIMEOUT_S, STEP_TIMEOUT_ENV, env_seconds
 from specbatch.engine.dp_placement import ReplicaSet, failure_of
 from specbatch.engine.dp_replica import Control, ReplicaRequest, ReplicaUpdate, token_budget
 from specbatch.engine.dp_router import Router
@@ -44,7 +45,6 @@ from specbatch.errors import EngineError
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
 from specbatch.tokenizer import load_tokenizer, max_token_chars
-from specbatch.worker.ray_executor import DEFAULT_STEP_TIMEOUT_S, STEP_TIMEOUT_ENV, _env_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DataParallelEngine:
             max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         )
         self.lookahead = max(1, config.max_num_seqs // 4)
-        self.hung_after_s = POLL_S + _env_seconds(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+        self.hung_after_s = POLL_S + env_seconds(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
         self.replica_set = ReplicaSet(config)
         self.replicas = self.replica_set.replicas
         n = len(self.replicas)

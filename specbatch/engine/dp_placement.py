@@ -19,14 +19,14 @@ from typing import Any
 
 from specbatch.config import EngineConfig
 from specbatch.distributed.ray_connect import connect_ray
-from specbatch.errors import EngineError, InvalidInputError
-from specbatch.worker.ray_executor import (
+from specbatch.distributed.ray_settings import (
     CPU_BUNDLE,
     DEFAULT_INIT_TIMEOUT_S,
     INIT_TIMEOUT_ENV,
     THREADS_ENV,
-    _env_seconds,
+    env_seconds,
 )
+from specbatch.errors import EngineError, InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class ReplicaSet:
     def __init__(self, config: EngineConfig, init_timeout_s: float | None = None) -> None:
         self.config = config
         self.count = config.data_parallel_size
-        self.init_timeout_s = init_timeout_s or _env_seconds(
+        self.init_timeout_s = init_timeout_s or env_seconds(
             INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S
         )
         self.replicas: list[Replica] = []

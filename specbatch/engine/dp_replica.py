@@ -134,7 +134,8 @@ class EngineReplica:
         _run_at_normal_priority()
         executor = None
         if config.tensor_parallel_size > 1:
-            from specbatch.worker.ray_executor import THREADS_ENV, RayExecutor
+            from specbatch.distributed.ray_settings import THREADS_ENV
+            from specbatch.worker.ray_executor import RayExecutor
 
             os.environ.setdefault(THREADS_ENV, str(threads))
             executor = RayExecutor(config, placement=placement)

@@ -29,6 +29,15 @@ from specbatch.distributed.init import (
     serve_store,
 )
 from specbatch.distributed.ray_connect import connect_ray
+from specbatch.distributed.ray_settings import (
+    CPU_BUNDLE,
+    DEFAULT_INIT_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    INIT_TIMEOUT_ENV,
+    STEP_TIMEOUT_ENV,
+    THREADS_ENV,
+    env_seconds,
+)
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.worker.executor import num_kv_blocks_from_budget
@@ -36,26 +45,6 @@ from specbatch.worker.ray_failures import describe_failures
 from specbatch.worker.ray_rank import RankWorker
 
 logger = logging.getLogger(__name__)
-
-STEP_TIMEOUT_ENV = "SPECBATCH_RAY_STEP_TIMEOUT"  # seconds one engine step may take
-INIT_TIMEOUT_ENV = "SPECBATCH_RAY_INIT_TIMEOUT"  # seconds to place, start and load the workers
-THREADS_ENV = "SPECBATCH_WORKER_THREADS"  # torch threads per CPU rank
-DEFAULT_STEP_TIMEOUT_S = 60.0
-DEFAULT_INIT_TIMEOUT_S = 900.0
-CPU_BUNDLE = 0.01  # logical CPUs a CPU rank reserves: places it without starving other tasks
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidInputError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise InvalidInputError(f"{name} must be positive, got {raw!r}")
-    return value
 
 
 def _threads_for(ranks_on_node: int) -> int:
@@ -90,10 +79,10 @@ class RayExecutor:
         self.config = config
         self._given_placement = placement
         self.world_size = config.tensor_parallel_size
-        self.step_timeout_s = step_timeout_s or _env_seconds(
+        self.step_timeout_s = step_timeout_s or env_seconds(
             STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S
         )
-        self.init_timeout_s = init_timeout_s or _env_seconds(
+        self.init_timeout_s = init_timeout_s or env_seconds(
             INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S
         )
         self.workers: list[Any] = []
