@@ -96,6 +96,14 @@ class EngineArgs:
     max_model_len: int | None = option(None, "most tokens (prompt + output) of one request "
         "(default: the models' context length)", type=int, ge=2)
     tensor_parallel_size: int = option(1, "target model shards (GPUs)", ge=1)
+    data_parallel_size: int = option(
+        1,
+        "engine replicas, each a Ray actor with its own tensor-parallel group, spread over the "
+        "Ray cluster's nodes; requests go to whichever has room (generate) or the least "
+        "outstanding tokens (serve)",
+        ge=1,
+        metavar="N",
+    )
     draft_tensor_parallel_size: int = shorthand("draft_tensor_parallel_size")
     distributed_executor_backend: str | None = option(None, "uni (one process) or ray (default: "
         "ray when tensor-parallel)", type=str, choices=("uni", "ray"))
@@ -273,6 +281,7 @@ _AS_GIVEN = (
     "gpu_memory_utilization",
     "max_num_seqs",
     "tensor_parallel_size",
+    "data_parallel_size",
     "attention_backend",
     "batch_invariant",
     "logprobs_mode",
@@ -297,6 +306,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     max_model_len: int
     tensor_parallel_size: int
+    data_parallel_size: int  # engine replicas, each a Ray actor (engine/data_parallel.py)
     distributed_executor_backend: str
     ray_address: str | None
     attention_backend: str

@@ -60,6 +60,7 @@ from specbatch.bench.engines import build_engine, share_weights
 from specbatch.bench.workload import WORKLOADS, build_workload, spread_output_lengths
 from specbatch.bench.workload import mixed as mixed_workload
 from specbatch.draft_shape import DraftShape
+from specbatch.engine.data_parallel import DataParallelEngine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 from specbatch.options import check_options, option, same_as
@@ -125,7 +126,8 @@ class BenchConfig:
         "the time, both summed", ge=1, metavar="N")
     interleave: str = option("steps", "steps: a round's cells side by side, in turns of one "
         "engine step, each timed on its own clock (cell_run.py); cells: one after another, "
-        "each alone on the machine", choices=INTERLEAVE)
+        "each alone on the machine (with --data-parallel-size above 1 always cells: replicas "
+        "step on their own)", choices=INTERLEAVE)
     mixed: float | None = option(None, "the mixed workload (bench/workload.py): easy requests "
         "(repetitive code, greedy) in turn with hard ones (the prompts sampled at temperature "
         "T); --temperature is then unused", type=float, metavar="T")
@@ -238,10 +240,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
     cells: list[CellResult] = []
     source = ""
+    # data-parallel replicas step on their own, so cells cannot take turns: one after another
+    data_parallel = int(cfg.engine_kwargs.get("data_parallel_size") or 1) > 1
     # One engine per draft, all up for the whole run, so that the cells of a round can run side
     # by side. The auto cell's controller lives as long as its engine, as in a server: it
     # learns in its first cells and keeps learning from every later auto cell.
-    engines: dict[Draft, LLMEngine] = {}
+    engines: dict[Draft, LLMEngine | DataParallelEngine] = {}
     try:
         for d in drafts:
             engines[d] = build_engine(cfg, d, max(sizes))
@@ -269,7 +273,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                 if bar is not None:
                     bar.set_description(f"bench B={b} round {r + 1}/{cfg.repeats}")
                 first = WARMUP_REQUESTS + r * n
-                if cfg.interleave == "steps":
+                if cfg.interleave == "steps" and not data_parallel:
                     for d in round_order:
                         run_cell(engines[d], workload, b, min(b, WARMUP_REQUESTS), warm)
                     cell_runs = [

@@ -40,7 +40,9 @@ def create_executor(config: EngineConfig) -> Executor:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """``executor``: the workers to run on (default: ``create_executor(config)``); the
+        engine owns it from then on and shuts it down."""
         self.config = config
         tok_path = config.target.tokenizer_path
         self.tokenizer = load_tokenizer(tok_path) if tok_path else None
@@ -51,7 +53,7 @@ class LLMEngine:
         self.max_prompt_chars = (config.max_model_len - 1) * (
             max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         )
-        self.executor = create_executor(config)
+        self.executor = executor or create_executor(config)
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
             self.executor.init_kv_cache(num_blocks)

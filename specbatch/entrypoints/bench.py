@@ -40,7 +40,8 @@ One engine per cell, sharing the weights. By default the cells of a round run si
 taking turns on the machine a step at a time, each measured in its engine's own time
 (--interleave steps), so the machine's drift falls on every cell alike; --interleave cells runs
 them one after another instead. Default model: the built-in pair; default prompts:
-windows of the pair's held-out stdlib files."""
+windows of the pair's held-out stdlib files. With --data-parallel-size N, each engine is N
+replicas on a Ray cluster and B counts the requests running on all of them together."""
 
 
 def _arg(parse: Any) -> Any:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specbatch.engine.data_parallel import DataParallelEngine, create_engine
+from specbatch.engine.engine_state import EngineState
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.entrypoints.flags import (
     add_engine_flags,
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     out_path = Path(args.output)
     done = load_finished(out_path, prompts) if args.resume else set()
     with ResultsFile(out_path) as sink:  # fails early if OUT is not writable
-        engine = LLMEngine.from_engine_args(engine_args_from(args))
+        engine = create_engine(engine_args_from(args))
         try:
             if not args.resume:
                 sink.clear()
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     args: argparse.Namespace,
     prompts: PromptsFile,
     base_params: dict[str, Any],
@@ -166,7 +168,7 @@ def _generate(
 
 
 def _drive(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     args: argparse.Namespace,
     pending: dict[str, PromptLine],
     done: set[int],
@@ -216,7 +218,8 @@ def _drive(
         )
     if speculative and spec.get("drafting_share") is not None:
         summary += f"; drafts in {100 * spec['drafting_share']:.0f}% of decoding steps"
-        gain = getattr(engine.scheduler.policy, "estimated_speedup", None)
+        state = engine.state() if isinstance(engine, DataParallelEngine) else EngineState.of(engine)
+        gain = state.estimated_speedup
         if gain is not None:
             summary += f" (estimated {gain:.2f}x the tokens/s of no drafts)"
     _say(summary)
