@@ -71,12 +71,15 @@ def render_chat(
 ) -> str:
     """The prompt text of a conversation, by ``chat_template`` or else the tokenizer's."""
     if tokenizer is None:
-        raise InvalidInputError("messages: the model has no tokenizer, so it cannot chat")
+        raise InvalidInputError(
+            "messages: the model has no tokenizer, so it cannot chat", "messages"
+        )
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidInputError(
             "messages: the model's tokenizer has no chat template; pass chat_template, or "
-            "give plain prompts to generate (/v1/completions on the server)"
+            "give plain prompts to generate (/v1/completions on the server)",
+            "messages",
         )
     try:
         text = tokenizer.apply_chat_template(
@@ -86,7 +89,9 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # a template may raise on roles it does not know (jinja's errors)
-        raise InvalidInputError(f"messages: the chat template rejected them: {e}") from None
+        raise InvalidInputError(
+            f"messages: the chat template rejected them: {e}", "messages"
+        ) from None
     if not isinstance(text, str):
-        raise InvalidInputError("messages: the chat template did not render to text")
+        raise InvalidInputError("messages: the chat template did not render to text", "messages")
     return text

@@ -1,47 +1,44 @@
-"""Engine configuration: the user's arguments, checked once, turned into frozen configs.
+"""The engine's arguments, each declared once (type, default, limits, help) and checked when the
+arguments are made, and the frozen ``EngineConfig`` they resolve to: the checkpoints read once
+(``model/checkpoint.py``), the drafter chosen, the limits between arguments checked.
 
-Every limit the engine enforces on its configuration lives here, and every violation is an
-``InvalidInputError`` that names the argument and the limit.
+``LLM(...)``, the command line's engine flags and the server all take ``EngineArgs``; every error
+is an ``InvalidInputError`` naming the argument and the limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specbatch.draft_shape import DraftShape
+from specbatch.drafters import DRAFTERS
 from specbatch.errors import InvalidInputError
+from specbatch.options import check_options, option
 from specbatch.speculative_config import (
-    DEFAULT_PROMPT_LOOKUP_MAX,
-    DEFAULT_PROMPT_LOOKUP_MIN,
-    SpeculativeArgs,
-    parse_speculative_config,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    MAX_TREE_NODES,
+    SHORTHANDS,
+    SpeculativeConfig,
+    normalise,
+    shorthand,
 )
+from specbatch.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from specbatch.model.checkpoint import ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with batch_invariant, when no draft length is given
-DEFAULT_MAX_DRAFT_LENGTH = 4  # the cap of num_speculative_tokens="auto"
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1e3,
-    "KB": 1e3,
-    "M": 1e6,
-    "MB": 1e6,
-    "G": 1e9,
-    "GB": 1e9,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-    "T": 1e12,
-}
+# fmt: off
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
+               "T": 1e12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+# fmt: on
 
 
 def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> int:
@@ -50,98 +47,245 @@ def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> 
         n = value
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _SIZE_UNITS:
+        if m is None or m.group(2).upper() not in _SIZE_UNITS:
             raise InvalidInputError(
-                f"{field_name}: cannot read {value!r} as a size (e.g. 2GiB, 512MiB, 1e9)"
+                f"{field_name}: cannot read {value!r} as a size (e.g. 2GiB, 512MiB, 1e9)",
+                field_name,
             )
-        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
     if n <= 0:
-        raise InvalidInputError(f"{field_name} must be positive, got {value!r}")
+        raise InvalidInputError(f"{field_name} must be positive, got {value!r}", field_name)
     return n
 
 
-def resolve_device(device: str) -> str:
-    if device not in DEVICES:
-        raise InvalidInputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    import torch
+@dataclass
+class EngineArgs:
+    """The engine's arguments, as ``LLM(...)``, the CLI and the server take them."""
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError("device: 'cuda' was asked for but no CUDA device is available")
-    return device
-
-
-def resolve_dtype(dtype: str, hf_config: Any, device: str) -> Any:
-    """``auto`` takes the checkpoint's dtype. On a CPU, 16-bit weights run in bfloat16 where
-    specbatch's kernels run (half float32's weight traffic; AVX512-BF16 dot products or AMX
-    where the CPU has them, FMA pairs on AVX2), else in float32 (torch's own bfloat16 matrix
-    multiplies are slow on CPUs without them); float32 weights stay float32."""
-    import torch
-
-    if dtype not in DTYPES:
-        raise InvalidInputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    if not isinstance(stored, torch.dtype) or stored not in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-    ):
-        stored = torch.float32
-    if device == "cpu":
-        if stored == torch.float32:
-            return stored
-        from specbatch.kernels.cpu import cpu_kernels
-
-        kernels = cpu_kernels()
-        return torch.bfloat16 if kernels is not None else torch.float32
-    return stored
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str
-    hf_config: Any = field(repr=False)
-    dtype: Any
-    tokenizer_path: str | None  # None: the checkpoint has no tokenizer, token-id prompts only
-    field: str = "model"  # the argument that named it, for errors found while loading
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
-
-    @property
-    def context_length(self) -> int:
-        n = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
-        window = _sliding_window(self.hf_config)
-        if window:
-            n = min(n, window) if n else window
-        return n
-
-
-def _sliding_window(hf_config: Any) -> int | None:
-    window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return int(window) if window else None
-
-
-def _has_tokenizer(path: str) -> bool:
-    p = Path(path)
-    return any(
-        (p / name).exists()
-        for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    # fmt: off
+    model: str | None = option(None, "target model: a Hugging Face checkpoint directory, a GGUF "
+        "file or a folder holding one (default: the built-in pair, when installed)", type=Path,
+        metavar="DIR")
+    draft_model: str | None = shorthand("draft_model", "draft model (directory or GGUF file); "
+        "must share the target's vocabulary; turns speculative decoding on")
+    speculative_config: dict[str, Any] | str | None = option(None, "the drafter as vLLM's JSON, "
+        """e.g. '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' or """
+        """'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": "auto"}'; """
+        "--draft-model and --num-speculative-tokens are shorthands for it", type=object,
+        metavar="JSON")
+    num_speculative_tokens: int | str | None = shorthand("num_speculative_tokens")
+    max_draft_length: int = shorthand("max_draft_length")
+    tokenizer: str | None = option(None, "tokenizer directory or GGUF file (default: the "
+        "model's)", type=Path, metavar="DIR")
+    dtype: str = option("auto", "weights and activations dtype; auto takes the checkpoint's (on "
+        "a CPU: bfloat16 for 16-bit checkpoints where the CPU multiplies it natively, else "
+        "float32)", choices=DTYPES)
+    seed: int = option(0, "engine seed (see the command's help for how requests use it)", ge=0)
+    device: str = option("auto", "where to run", choices=DEVICES)
+    block_size: int = option(16, "tokens per KV-cache block", ge=1)
+    num_kv_blocks: int | None = option(None, "number of KV-cache blocks (overrides "
+        "--kv-cache-memory)", type=int, ge=1)
+    kv_cache_memory: str | int | None = option(None, "KV-cache budget, e.g. 2GiB, 512MiB or "
+        "bytes (default on CPU: 1GiB; on GPU: from --gpu-memory-utilization)", type=object,
+        metavar="SIZE")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use",
+        gt=0, le=1, metavar="F")
+    max_num_seqs: int = option(256, "most requests in one batch", ge=1)
+    max_num_batched_tokens: int | None = option(None, "most tokens in one step (default "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})", type=int, ge=1)
+    max_model_len: int | None = option(None, "most tokens (prompt + output) of one request "
+        "(default: the models' context length)", type=int, ge=2)
+    tensor_parallel_size: int = option(1, "target model shards (GPUs)", ge=1)
+    data_parallel_size: int = option(
+        1,
+        "engine replicas, each a Ray actor with its own tensor-parallel group, spread over the "
+        "Ray cluster's nodes; requests go to whichever has room (generate) or the least "
+        "outstanding tokens (serve)",
+        ge=1,
+        metavar="N",
     )
+    draft_tensor_parallel_size: int = shorthand("draft_tensor_parallel_size")
+    distributed_executor_backend: str | None = option(None, "uni (one process) or ray (default: "
+        "ray when tensor-parallel)", type=str, choices=("uni", "ray"))
+    ray_address: str | None = option(None, "join this Ray cluster (default: $RAY_ADDRESS, else "
+        "a local one)", type=str, metavar="ADDR")
+    attention_backend: str = option("auto", "auto, torch, cpu (specbatch's kernel), flash-attn "
+        "(CUDA, block size a multiple of 256) or xformers (CUDA, multiple of 64); auto: on a "
+        "CPU the kernel where it runs, on CUDA flash-attn, else xformers, as installed and as "
+        "the block size allows; else torch", metavar="NAME")
+    batch_invariant: bool = option(False, "every op gives a request's rows the same bits "
+        "whatever else is in the batch, and draft lengths never depend on the batch: a seeded "
+        "request returns the same tokens alone or in any batch, with or without speculation "
+        "(CPU kernels only; not with auto)")
+    logprobs_mode: str = option("raw_logprobs", "what logprobs report: raw_logprobs (the "
+        "model's log-softmax, as vLLM) or processed_logprobs (after penalties, temperature and "
+        "top-k/top-p/min-p)", choices=("raw_logprobs", "processed_logprobs"))
+    # fmt: on
+    speculative: SpeculativeConfig = dataclasses.field(init=False, repr=False, compare=False)
+    kv_bytes: int | None = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_options(EngineArgs, self)
+        mem = self.kv_cache_memory
+        self.kv_bytes = None if mem is None else parse_memory_size(mem)
+        self.speculative = normalise(
+            self.speculative_config, **{k: getattr(self, k) for k in SHORTHANDS}
+        )
+
+    def create_engine_config(self) -> EngineConfig:
+        from specbatch.model.checkpoint import read_checkpoint
+
+        device = resolve_device(self.device)
+        path = self.model or default_model_path("target")
+        target = read_checkpoint(path, "model", self.tokenizer, self.dtype, device)
+        if self.batch_invariant:
+            target = dataclasses.replace(target, kernels_required=True)
+        spec, draft = self._drafter(target, device)
+        limit = target.context_length
+        if draft is not None and draft.context_length:
+            limit = min(limit, draft.context_length) if limit else draft.context_length
+        max_model_len = self.max_model_len or limit
+        if limit and max_model_len > limit:
+            raise InvalidInputError(
+                f"max_model_len={max_model_len} exceeds the models' context length {limit}",
+                "max_model_len",
+            )
+        batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        room = max(spec.depth, spec.shape.lookahead) + 1
+        if batched < room:
+            raise InvalidInputError(
+                f"max_num_batched_tokens must be an integer >= {room}, got {batched}",
+                "max_num_batched_tokens",
+            )
+        tp = self.tensor_parallel_size
+        self._check_parallel(target, draft, spec, tp)
+        backend = self.distributed_executor_backend or ("ray" if tp > 1 else "uni")
+        if backend == "uni" and tp > 1:
+            raise InvalidInputError(
+                "tensor_parallel_size > 1 needs distributed_executor_backend='ray'",
+                "tensor_parallel_size",
+            )
+        kv_bytes = self.kv_bytes
+        if kv_bytes is None and self.num_kv_blocks is None and device == "cpu":
+            kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
+        if self.batch_invariant:
+            self._check_batch_invariant(device, spec)
+        return EngineConfig(
+            target=target,
+            draft=draft,
+            speculative_config=spec,
+            device=device,
+            kv_cache_memory=kv_bytes,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            distributed_executor_backend=backend,
+            ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
+            **{name: getattr(self, name) for name in _AS_GIVEN},
+        )
+
+    def _drafter(
+        self, target: ModelConfig, device: str
+    ) -> tuple[SpeculativeConfig, ModelConfig | None]:
+        """The drafter's checkpoint read, and the speculative config resolved: the built-in
+        target's own drafter by default, the default draft length, no method without one."""
+        from specbatch.model.checkpoint import read_checkpoint
+        from specbatch.model.eagle import read_eagle_head
+
+        spec = self.speculative
+        method, path, k = spec.method, spec.model, spec.num_speculative_tokens
+        asked = self.speculative_config is not None
+        kind = DRAFTERS.get(method or "eagle")  # no method named: the built-in target's head
+        if path is None and kind.needs_model and k != 0 and self.model is None:
+            # The built-in target speculates by default, with its EAGLE head (its draft model
+            # when speculative_config asks for that method); either EAGLE name picks the head.
+            builtin_draft = method == "draft_model" and asked
+            path = default_model_path("draft" if builtin_draft else "eagle")
+            kind = kind if builtin_draft else DRAFTERS["eagle"]
+        elif path is None and kind.needs_model and asked:
+            raise InvalidInputError(
+                f"speculative_config.model: the {method} method needs a model (only the "
+                "built-in target has its own)",
+                "speculative_config.model",
+            )
+        draft = None
+        if path is not None and kind.reads_features:  # an EAGLE head, read as its method says
+            draft = read_eagle_head(path, spec.method if spec.model else None, target)
+            kind = DRAFTERS["eagle"]
+        elif path is not None:
+            field = "speculative_config.model" if asked else "draft_model"
+            draft = read_checkpoint(path, field, None, self.dtype, device)
+            check_same_vocabulary(target, draft)
+        if k is None and (draft is not None or not kind.needs_model):
+            # by default the controller decides (it drafts only where drafting pays); batch
+            # invariance needs draft lengths that do not depend on the batch
+            k = DEFAULT_NUM_SPECULATIVE_TOKENS if self.batch_invariant else "auto"
+        k = 0 if k is None else k
+        depth = spec.max_draft_length if k == "auto" else k
+        if spec.topk > 1 and spec.topk * (depth - 1) > MAX_TREE_NODES + 1:
+            raise InvalidInputError(
+                f"speculative_config.topk x (num_speculative_tokens - 1) must be at most "
+                f"{MAX_TREE_NODES + 1} (the nodes a tree's drafter expands), got {spec.topk} x "
+                f"{depth - 1}",
+                "speculative_config.topk",
+            )
+        if depth > 0 and draft is None and kind.needs_model:
+            raise InvalidInputError(
+                f"num_speculative_tokens={depth} needs a draft model (draft_model is not set)",
+                "num_speculative_tokens",
+            )
+        method, k = (kind.method, k) if depth > 0 else (None, 0)
+        return dataclasses.replace(spec, method=method, model=path, num_speculative_tokens=k), draft
+
+    def _check_parallel(
+        self, target: ModelConfig, draft: ModelConfig | None, spec: SpeculativeConfig, tp: int
+    ) -> None:
+        from specbatch.model.checkpoint import check_tensor_parallel
+
+        check_tensor_parallel(target.hf_config, tp, "model")
+        draft_tp = spec.draft_tensor_parallel_size
+        if draft_tp not in (1, tp):
+            raise InvalidInputError(
+                f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}",
+                "draft_tensor_parallel_size",
+            )
+        if draft is not None and draft.layout is not None and draft_tp != 1:
+            raise InvalidInputError(
+                "draft_tensor_parallel_size: an EAGLE head runs replicated on every rank (1)",
+                "draft_tensor_parallel_size",
+            )
+        if draft is not None and draft.layout is None:
+            check_tensor_parallel(draft.hf_config, draft_tp, draft.field)
+
+    def _check_batch_invariant(self, device: str, spec: SpeculativeConfig) -> None:
+        """batch_invariant needs every op of a step to sum in an order that does not depend on
+        the batch: specbatch's CPU kernels (matrix multiplies, attention, norms; the loader
+        refuses to place a model without them), and draft lengths that do not depend on it."""
+        for broken, why in (
+            (device != "cpu", f"runs on a CPU (specbatch's kernels), not on device '{device}'"),
+            (spec.auto, "needs a fixed num_speculative_tokens: 'auto' "
+             "chooses draft lengths from the batch"),
+            (self.attention_backend not in ("auto", "cpu"), "needs attention_backend 'cpu' (or "
+             f"'auto'), got '{self.attention_backend}'"),
+            (self.dtype == "float16", "needs dtype float32 or bfloat16 (the kernels' matrix "
+             "multiplies), got float16"),
+        ):  # fmt: skip
+            if broken:
+                raise InvalidInputError(f"batch_invariant {why}", "batch_invariant")
 
 
-def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+# Arguments the engine's configuration keeps as they were given.
+_AS_GIVEN = (
+    "seed",
+    "block_size",
+    "num_kv_blocks",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "attention_backend",
+    "batch_invariant",
+    "logprobs_mode",
+)
 
 
 @dataclass(frozen=True)
@@ -150,337 +294,24 @@ class EngineConfig:
 
     target: ModelConfig
     draft: ModelConfig | None
-    num_speculative_tokens: int
+    # resolved: its method None and its num_speculative_tokens 0 when not speculating
+    speculative_config: SpeculativeConfig
     device: str
     seed: int
     block_size: int
     num_kv_blocks: int | None
-    kv_cache_memory: int | None
+    kv_cache_memory: int | None  # bytes
     gpu_memory_utilization: float
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     tensor_parallel_size: int
-    draft_tensor_parallel_size: int
+    data_parallel_size: int  # engine replicas, each a Ray actor (engine/data_parallel.py)
     distributed_executor_backend: str
     ray_address: str | None
     attention_backend: str
-    # num_speculative_tokens="auto": gamma chosen per request and step, up to
-    # num_speculative_tokens (then the max draft length)
-    adaptive_speculation: bool = False
-    spec_method: str = "draft_model"  # who proposes: "draft_model" or "ngram"
-    batch_invariant: bool = False
-    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
-    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
-    logprobs_mode: str = "raw_logprobs"
-    draft_topk: int = 1  # children per expanded node: 1 drafts chains
-    num_draft_tokens: int = 0  # nodes of a tree (a chain: num_speculative_tokens)
-    tree_children: str = "sampled"  # a tree's children drawn from q, or its top draft_topk
-
-    @property
-    def draft_shape(self) -> DraftShape:
-        """What each decoding request drafts, unless ``auto`` chooses."""
-        k = self.num_speculative_tokens if self.speculative else 0
-        if self.draft_topk == 1 or k == 0:
-            return DraftShape.chain(k)
-        nodes = self.num_draft_tokens or min(63, self.draft_topk * k)
-        return DraftShape(k, self.draft_topk, nodes)
-
-    @property
-    def speculative(self) -> bool:
-        if self.num_speculative_tokens <= 0:
-            return False
-        return self.draft is not None or self.spec_method == "ngram"
-
-
-@dataclass
-class EngineArgs:
-    """The engine's arguments, as ``LLM(...)``, the CLI and the server take them."""
-
-    model: str | None = None
-    draft_model: str | None = None
-    num_speculative_tokens: int | str | None = None  # or "auto" (see max_draft_length)
-    max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str | int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    draft_tensor_parallel_size: int | None = None
-    distributed_executor_backend: str | None = None
-    ray_address: str | None = None
-    attention_backend: str = "auto"
-    speculative_config: dict[str, Any] | str | None = None
-    batch_invariant: bool = False
-    logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs"
-
-    def _speculative_args(self) -> SpeculativeArgs:
-        """``speculative_config`` checked, or the shorthand flags as one."""
-        if self.speculative_config is None:
-            return SpeculativeArgs(
-                "draft_model",
-                self.draft_model,
-                self.num_speculative_tokens,
-                draft_tensor_parallel_size=self.draft_tensor_parallel_size,
-                max_draft_length=self.max_draft_length,
-            )
-        shorthands = [
-            name
-            for name in ("draft_model", "num_speculative_tokens", "draft_tensor_parallel_size")
-            if getattr(self, name) is not None
-        ]
-        if shorthands:
-            raise InvalidInputError(
-                f"speculative_config and {', '.join(shorthands)} were both given: use one "
-                "(the flags are shorthands for speculative_config's fields)"
-            )
-        return parse_speculative_config(self.speculative_config)
-
-    def create_engine_config(self) -> EngineConfig:
-        device = resolve_device(self.device)
-        _check_positive_int("seed", self.seed, minimum=0)
-        _check_positive_int("block_size", self.block_size)
-        _check_positive_int("max_num_seqs", self.max_num_seqs)
-        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.num_kv_blocks is not None:
-            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
-        kv_bytes = (
-            parse_memory_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
-        )
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise InvalidInputError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-
-        spec = self._speculative_args()
-        model_path = self.model or default_model_path("target")
-        target = self._model_config(model_path, "model", self.tokenizer, device, self.dtype)
-        draft = None
-        k = spec.num_speculative_tokens
-        adaptive = k == "auto"
-        if adaptive:
-            max_draft = spec.max_draft_length or self.max_draft_length
-            _check_positive_int("max_draft_length", max_draft)
-            k = max_draft
-        elif isinstance(k, str):
-            raise InvalidInputError(
-                f"num_speculative_tokens must be an integer >= 0 or 'auto', got {k!r}"
-            )
-        ngram = spec.method == "ngram"
-        method = spec.method
-        drafter_path = spec.model
-        if drafter_path is None and not ngram and k != 0 and self.model is None:
-            # The built-in target speculates by default, with its EAGLE head (its draft model
-            # when speculative_config asks for that method); any other target only with a
-            # drafter given. Either EAGLE method name picks the built-in head.
-            if method == "draft_model" and self.speculative_config is not None:
-                drafter_path = default_model_path("draft")
-            else:
-                from specbatch.model.eagle import detect_layout
-
-                drafter_path = default_model_path("eagle")
-                method = detect_layout(drafter_path)
-        elif drafter_path is None and not ngram and self.speculative_config is not None:
-            raise InvalidInputError(
-                f"speculative_config.model: the {method} method needs a model (only the "
-                "built-in target has its own)"
-            )
-        eagle = method in ("eagle", "eagle3")
-        if eagle:
-            assert drafter_path is not None
-            draft = eagle_head_config(drafter_path, method, target, device, self.dtype)
-        elif drafter_path is not None:
-            draft = self._model_config(drafter_path, "draft_model", None, device, self.dtype)
-            check_same_vocabulary(target, draft)
-        if k is None and (draft is not None or ngram):
-            # by default the controller decides (it drafts only where drafting pays); batch
-            # invariance needs draft lengths that do not depend on the batch
-            if self.batch_invariant:
-                k = DEFAULT_NUM_SPECULATIVE_TOKENS
-            else:
-                adaptive = True
-                k = spec.max_draft_length or self.max_draft_length
-                _check_positive_int("max_draft_length", k)
-        k = 0 if k is None else k
-        _check_positive_int("num_speculative_tokens", k, minimum=0)
-        if k > 0 and draft is None and not ngram:
-            raise InvalidInputError(
-                f"num_speculative_tokens={k} needs a draft model (draft_model is not set)"
-            )
-
-        limit = target.context_length
-        if draft is not None and draft.context_length:
-            limit = min(limit, draft.context_length) if limit else draft.context_length
-        max_model_len = self.max_model_len if self.max_model_len is not None else limit
-        _check_positive_int("max_model_len", max_model_len, minimum=2)
-        if limit and max_model_len > limit:
-            raise InvalidInputError(
-                f"max_model_len={max_model_len} exceeds the models' context length {limit}"
-            )
-        if spec.topk > 1 and k and spec.topk * (k - 1) > 64:
-            raise InvalidInputError(
-                f"speculative_config.topk x (num_speculative_tokens - 1) must be at most 64 (the "
-                f"nodes a tree's drafter expands), got {spec.topk} x {k - 1}"
-            )
-        lookahead = max(k, spec.num_draft_tokens or 0, spec.topk * (k - 1))
-        batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        _check_positive_int("max_num_batched_tokens", batched, minimum=lookahead + 1)
-
-        tp = self.tensor_parallel_size
-        check_tensor_parallel(target, tp, "model")
-        draft_tp = spec.draft_tensor_parallel_size
-        if draft_tp is None:
-            draft_tp = 1
-        if draft_tp not in (1, tp):
-            raise InvalidInputError(
-                f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}"
-            )
-        if eagle and draft_tp != 1:
-            raise InvalidInputError(
-                "draft_tensor_parallel_size: an EAGLE head runs replicated on every rank (1)"
-            )
-        if draft is not None and not eagle:
-            check_tensor_parallel(draft, draft_tp, "draft_model")
-        backend = self.distributed_executor_backend or ("ray" if tp > 1 else "uni")
-        if backend not in ("uni", "ray"):
-            raise InvalidInputError(
-                f"distributed_executor_backend must be 'uni' or 'ray', got {backend!r}"
-            )
-        if backend == "uni" and tp > 1:
-            raise InvalidInputError(
-                "tensor_parallel_size > 1 needs distributed_executor_backend='ray'"
-            )
-        if self.kv_cache_memory is None and self.num_kv_blocks is None and device == "cpu":
-            kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
-        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise InvalidInputError(
-                "logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got "
-                f"{self.logprobs_mode!r}"
-            )
-        if self.batch_invariant:
-            check_batch_invariant(device, target, draft, adaptive, self.attention_backend)
-        return EngineConfig(
-            target=target,
-            draft=draft,
-            num_speculative_tokens=k,
-            device=device,
-            seed=self.seed,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory=kv_bytes,
-            gpu_memory_utilization=float(self.gpu_memory_utilization),
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tp,
-            draft_tensor_parallel_size=draft_tp,
-            distributed_executor_backend=backend,
-            ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
-            attention_backend=self.attention_backend,
-            adaptive_speculation=adaptive and k > 0,
-            spec_method="eagle" if eagle else spec.method,
-            prompt_lookup_max=spec.prompt_lookup_max,
-            prompt_lookup_min=spec.prompt_lookup_min,
-            batch_invariant=bool(self.batch_invariant),
-            logprobs_mode=self.logprobs_mode,
-            draft_topk=spec.topk,
-            num_draft_tokens=spec.num_draft_tokens or 0,
-            tree_children=spec.tree_children,
-        )
-
-    @staticmethod
-    def _model_config(
-        path: str, field_name: str, tokenizer: str | None, device: str, dtype: str
-    ) -> ModelConfig:
-        from specbatch.model.checkpoint_files import check_checkpoint_files, checkpoint_files
-        from specbatch.model.gguf_checkpoint import gguf_model
-        from specbatch.model.loader import check_config, load_hf_config
-
-        try:
-            gguf = gguf_model(path)  # (file, config, its tokenizer); None: not a GGUF checkpoint
-            if gguf is not None:
-                path, hf_config, own_tokenizer = gguf
-            else:
-                hf_config = load_hf_config(path)
-                own_tokenizer = path if _has_tokenizer(path) else None
-            check_config(hf_config)
-            if gguf is None:
-                check_checkpoint_files(checkpoint_files(path))
-        except InvalidInputError as e:
-            msg = str(e)
-            if msg.startswith("model") and field_name != "model":
-                msg = field_name + msg[len("model") :]
-            raise InvalidInputError(msg) from None
-        tok = tokenizer or own_tokenizer
-        dt = resolve_dtype(dtype, hf_config, device)
-        return ModelConfig(str(path), hf_config, dt, tok, field_name)
-
-
-def eagle_head_config(
-    path: str, method: str, target: ModelConfig, device: str, dtype: str
-) -> ModelConfig:
-    """An EAGLE head's checkpoint, checked against its method and its target."""
-    from specbatch.model.eagle import detect_layout
-    from specbatch.model.loader import load_hf_config
-
-    try:
-        hf_config = load_hf_config(path, architecture=False)
-    except InvalidInputError as e:
-        raise InvalidInputError(f"speculative_config.{e!s}") from None
-    layout = detect_layout(path)
-    if (method == "eagle3") != (layout == "eagle3"):
-        raise InvalidInputError(
-            f"speculative_config.method: '{path}' holds an {layout.upper()} head; use method "
-            f"'{layout}'"
-        )
-    if int(getattr(hf_config, "vocab_size", target.vocab_size)) != target.vocab_size:
-        raise InvalidInputError(
-            f"speculative_config.model: vocab_size {hf_config.vocab_size} differs from the "
-            f"target's {target.vocab_size}"
-        )
-    return ModelConfig(str(path), hf_config, resolve_dtype(dtype, target.hf_config, device), None)
-
-
-def check_batch_invariant(
-    device: str, target: ModelConfig, draft: ModelConfig | None, adaptive: bool, backend: str
-) -> None:
-    """batch_invariant needs every op of a step to sum in an order that does not depend on the
-    batch: specbatch's CPU kernels (matrix multiplies, attention, norms), and draft lengths that
-    do not depend on the batch."""
-    if device != "cpu":
-        raise InvalidInputError(
-            f"batch_invariant runs on a CPU (specbatch's kernels), not on device '{device}'"
-        )
-    if adaptive:
-        raise InvalidInputError(
-            "batch_invariant needs a fixed num_speculative_tokens: 'auto' chooses draft lengths "
-            "from the batch"
-        )
-    if backend not in ("auto", "cpu"):
-        raise InvalidInputError(
-            f"batch_invariant needs attention_backend 'cpu' (or 'auto'), got '{backend}'"
-        )
-    from specbatch.kernels.cpu import cpu_kernels
-
-    kernels = cpu_kernels()
-    if kernels is None:
-        raise InvalidInputError(
-            "batch_invariant needs specbatch's CPU kernels, which are not available here "
-            "(see the warning above; SPECBATCH_CPU_KERNELS=0 turns them off)"
-        )
-    for model, name in ((target, "model"), (draft, "draft_model")):
-        if model is not None and not kernels.supports_linear(model.dtype):
-            raise InvalidInputError(
-                f"batch_invariant: {name}'s dtype {model.dtype} has no kernel matrix multiply "
-                "(float32 or bfloat16)"
-            )
+    batch_invariant: bool
+    logprobs_mode: str
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
@@ -488,36 +319,31 @@ def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
     if target.vocab_size != draft.vocab_size:
         raise InvalidInputError(
             f"draft_model: vocab_size {draft.vocab_size} differs from the target's "
-            f"{target.vocab_size}; the draft must share the target's vocabulary"
+            f"{target.vocab_size}; the draft must share the target's vocabulary",
+            "draft_model",
         )
     if target.tokenizer_path and draft.tokenizer_path:
-        from specbatch.tokenizer import load_tokenizer
-
         a = load_tokenizer(target.tokenizer_path).get_vocab()
         b = load_tokenizer(draft.tokenizer_path).get_vocab()
         if a != b:
             differ = sorted(set(a.items()) ^ set(b.items()))[:3]
             raise InvalidInputError(
                 "draft_model: its tokenizer maps tokens to ids differently from the target's "
-                f"(e.g. {differ}); the draft must share the target's vocabulary"
+                f"(e.g. {differ}); the draft must share the target's vocabulary",
+                "draft_model",
             )
 
 
-def check_tensor_parallel(model: ModelConfig, tp: int, field_name: str) -> None:
-    cfg = model.hf_config
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    sizes = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "intermediate_size": int(cfg.intermediate_size),
-        "vocab_size": int(cfg.vocab_size),
-    }
-    for name, value in sizes.items():
-        if value % tp:
-            raise InvalidInputError(
-                f"tensor_parallel_size={tp} does not divide {field_name}'s {name}={value}"
-            )
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(
+            "device: 'cuda' was asked for but no CUDA device is available", "device"
+        )
+    return device
 
 
 def default_model_path(which: str) -> str:
@@ -526,6 +352,7 @@ def default_model_path(which: str) -> str:
     if not (path / "config.json").exists():
         raise InvalidInputError(
             "model: no model was given and the built-in model pair is not installed "
-            f"(looked in {path}); pass --model DIR"
+            f"(looked in {path}); pass --model DIR",
+            "model",
         )
     return str(path)

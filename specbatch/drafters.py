@@ -24,11 +24,6 @@ class DrafterKind:
         module, name = self.implementation.split(":")
         return getattr(importlib.import_module(module), name)
 
-    def catch_up(self, k: int) -> int:
-        """The tokens a drafting request's drafter reads in a step when it is not behind, at
-        draft length ``k`` (more means it caught up on a backlog)."""
-        return {"tokens": 3, "features": k + 1}.get(self.draft_input, 0)
-
 
 _EAGLE = "specbatch.worker.eagle_proposer:EagleProposer"
 DRAFTERS: dict[str, DrafterKind] = {

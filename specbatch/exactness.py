@@ -2,9 +2,11 @@
 
 Speculative decoding must leave the target's output distribution unchanged, whatever the draft
 (THEORY.md). ``verify_exactness`` builds the engine as configured (by default the built-in target
-with its EAGLE head and the engine's draft length k), samples ``num_samples`` continuations of
-one prompt with it and as many from the same target with speculation off, each request with its
-own seed, and compares the two samples token by token (``specbatch.sequence_stats``).
+with its EAGLE head), at a fixed draft length k unless ``auto`` is asked for (the engine's own
+default, auto, chooses lengths per step and may leave draft positions unexercised), samples
+``num_samples`` continuations of one prompt with it and as many from the same target with
+speculation off, each request with its own seed, and compares the two samples token by token
+(``specbatch.sequence_stats``).
 
 The first token of every request comes from the prompt pass, and a round never proposes past
 ``max_tokens``: continuations of k + 2 tokens (the default) let the first round propose all k
@@ -16,8 +18,10 @@ side and not on the other fails.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import EngineArgs
@@ -30,8 +34,10 @@ from specbatch.exactness_report import (
     add_notes,
     format_report,
 )
+from specbatch.options import check_options, option, options_of
 from specbatch.sampling_params import SamplingParams
 from specbatch.sequence_stats import compare_positions, samples_for
+from specbatch.speculative_config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 DEFAULT_TEXT_PROMPT = "import os\nimport sys\n"
 NO_DRAFTER = (
@@ -39,11 +45,34 @@ NO_DRAFTER = (
     "speculative_config), or no model to check the built-in pair"
 )
 RESERVED = ("model", "draft_model", "num_speculative_tokens", "seed", "speculative_config")
+# The sampling fields the check sets itself (the length, when to stop, what is reported); the
+# others change the law it compares, and may be given.
+SET_BY_THE_CHECK = ("max_tokens", "min_tokens", "n", "logprobs", "stop", "stop_token_ids",
+                    "ignore_eos", "seed")  # fmt: skip
+# A grammar ends outputs at lengths of its own; the check compares outputs of one length.
+NOT_CHECKED = ("structured_outputs",)
+SAMPLING = {
+    n: d
+    for n, o, d in options_of(SamplingParams)
+    if o.flag and n not in SET_BY_THE_CHECK and n not in NOT_CHECKED
+}
 
 
-def _check(name: str, ok: bool, limit: str, value: Any) -> None:
-    if not ok:
-        raise InvalidInputError(f"{name} must be {limit}, got {value!r}")
+@dataclass
+class CheckOptions:
+    """The check's own options (``verify_exactness``' keywords, ``specbatch verify``'s flags)."""
+
+    # fmt: off
+    num_samples: int | None = option(None, "samples per side (default: enough to catch a "
+        f"difference of {TARGET_TV:g} at every token)", type=int, ge=1, shown="an integer >= 1",
+        metavar="N")
+    tokens: int | None = option(None, "tokens per sample, the first from the prompt pass "
+        "(never from the draft) (default: the draft length k + 2)", type=int, ge=2,
+        shown="an integer >= 2", metavar="L")
+    alpha: float = option(1e-3, "significance level: the false-alarm rate", gt=0, lt=1,
+        metavar="A")
+    seed: int = option(0, "seed of the runs", ge=0)
+    # fmt: on
 
 
 def _is_int(value: Any) -> bool:
@@ -108,15 +137,16 @@ def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool
     """What the engine speculates with: a description, its draft length k and whether k is
     ``auto``'s maximum; refuses an engine that does not speculate (``asked``: the draft length
     the caller gave)."""
-    cfg = engine.config
-    if not cfg.speculative:
+    cfg, spec = engine.config, engine.config.speculative_config
+    if not spec.speculative:
         if asked == 0:
             raise InvalidInputError(
-                "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)"
+                "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)",
+                "num_speculative_tokens",
             )
-        raise InvalidInputError(NO_DRAFTER)
+        raise InvalidInputError(NO_DRAFTER, "model")
     where = cfg.draft.path if cfg.draft is not None else "prompt lookup"
-    return f"{cfg.spec_method}: {where}", cfg.num_speculative_tokens, cfg.adaptive_speculation
+    return f"{spec.method}: {where}", spec.depth, spec.auto
 
 
 def verify_exactness(
@@ -127,77 +157,62 @@ def verify_exactness(
     num_speculative_tokens: int | str | None = None,
     num_samples: int | None = None,
     num_tokens: int | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
-    alpha: float = 1e-3,
-    seed: int = 0,
+    alpha: float = CheckOptions.alpha,
+    seed: int = CheckOptions.seed,
     engine_kwargs: Mapping[str, Any] | None = None,
     reference_model: str | None = None,
     progress: bool = False,
+    **sampling: Any,
 ) -> VerifyReport:
     """Compare speculative samples with as many plain samples of the target.
 
     ``model``, ``draft_model``, ``speculative_config`` and ``num_speculative_tokens`` mean what
-    they mean to ``EngineArgs`` (none given: the built-in pair as the engine runs it by
-    default); ``engine_kwargs`` are further ``EngineArgs`` fields for both engines (dtype,
-    device, num_kv_blocks, max_model_len, ...). ``num_tokens`` defaults to k + 2 and
-    ``num_samples`` to what catches a total-variation difference of ``TARGET_TV`` at every
-    token. ``reference_model`` (default: the target) is the model of the plain run; pointing
-    it at another model is how the test itself is tested. Speculative request ``i`` uses seed
-    ``seed * 2 * num_samples + i`` and plain request ``i`` seed ``... + num_samples + i``, so
-    no two requests share a random stream.
+    they mean to ``EngineArgs`` (none given: the built-in pair), except that no draft length
+    given means ``DEFAULT_NUM_SPECULATIVE_TOKENS``, not auto; ``engine_kwargs`` are further
+    ``EngineArgs`` fields for both engines (dtype, device, num_kv_blocks, max_model_len, ...).
+    ``num_tokens`` defaults to k + 2 and ``num_samples`` to what catches a total-variation
+    difference of ``TARGET_TV`` at every token. ``sampling``: ``SamplingParams`` fields of both
+    runs (those of ``SAMPLING``: temperature, top_p, penalties...). ``reference_model``
+    (default: the target) is the model of the plain run; pointing it at another model is how the
+    test itself is tested.
+    Speculative request ``i`` uses seed ``seed * 2 * num_samples + i`` and plain request ``i``
+    seed ``... + num_samples + i``, so no two requests share a random stream.
     Raises ``InvalidInputError`` for bad arguments (and whatever the engines raise).
     """
-    _check(
-        "num_samples",
-        num_samples is None or (_is_int(num_samples) and num_samples >= 1),
-        "an integer >= 1",
-        num_samples,
-    )
-    _check(
-        "tokens",
-        num_tokens is None or (_is_int(num_tokens) and num_tokens >= 2),
-        "an integer >= 2 (the first token comes from the prompt pass, never from the draft)",
-        num_tokens,
-    )
-    _check("alpha", isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0, "in (0, 1)", alpha)
-    _check("seed", _is_int(seed) and seed >= 0, "an integer >= 0", seed)
+    own = {"num_samples": num_samples, "tokens": num_tokens, "alpha": alpha, "seed": seed}
+    check_options(CheckOptions, own)
     if prompt is not None and prompt_token_ids is not None:
-        raise InvalidInputError("prompt: give a prompt text or prompt_token_ids, not both")
+        raise InvalidInputError(
+            "prompt: give a prompt text or prompt_token_ids, not both", "prompt"
+        )
     if model is not None and draft_model is None and speculative_config is None:
-        raise InvalidInputError(NO_DRAFTER)  # only the built-in target has drafters of its own
-    sampling = {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty,
-        "repetition_penalty": repetition_penalty,
-    }
+        raise InvalidInputError(NO_DRAFTER, "model")  # only the built-in target has its drafters
+    unknown = sorted(set(sampling) - set(SAMPLING))
+    if unknown:
+        raise TypeError(f"verify_exactness() got unexpected keyword argument(s) {unknown}")
+    sampling = {**SAMPLING, **sampling}
     SamplingParams(**sampling)  # check the values before loading anything
     extra = {k: v for k, v in (engine_kwargs or {}).items() if k not in RESERVED}
-    spec_engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model,
-            draft_model=draft_model,
-            speculative_config=(
-                dict(speculative_config)
-                if isinstance(speculative_config, Mapping)
-                else speculative_config
-            ),
-            num_speculative_tokens=num_speculative_tokens,
-            seed=seed,
-            **extra,
-        )
+    args = EngineArgs(
+        model=model,
+        draft_model=draft_model,
+        speculative_config=(
+            dict(speculative_config)
+            if isinstance(speculative_config, Mapping)
+            else speculative_config
+        ),
+        num_speculative_tokens=num_speculative_tokens,
+        seed=seed,
+        **extra,
     )
+    if args.speculative.num_speculative_tokens is None:  # a fixed k: every position exercised
+        k = {"num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS}
+        if args.speculative_config is not None:
+            k = {"speculative_config": {**dataclasses.asdict(args.speculative), **k}}
+        args = dataclasses.replace(args, **k)
+    spec_engine = LLMEngine.from_engine_args(args)
     try:
         drafter, k, adaptive = _drafter(spec_engine, num_speculative_tokens)
         length = num_tokens if num_tokens is not None else k + 2
@@ -250,7 +265,9 @@ def verify_exactness(
         seed=seed,
         speculative=spec,
         plain=plain,
-        comparison=None if temperature == 0 else compare_positions(spec.seqs, plain.seqs, alpha),
+        comparison=None
+        if sampling["temperature"] == 0
+        else compare_positions(spec.seqs, plain.seqs, alpha),
     )
     add_notes(report)
     return report

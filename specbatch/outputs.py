@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specbatch.request import Request
-from specbatch.scheduler.output import PositionLogprobs
+from specbatch.request import PositionLogprobs, Request
 
 
 @dataclass

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.output import PositionLogprobs
 from specbatch.theory import expected_tokens_per_round
+
+# one position's logprobs: (the token's logprob, its rank, the top ids, their logprobs)
+PositionLogprobs = tuple[float, int, list[int], list[float]]
 
 
 class RequestStatus(enum.Enum):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from specbatch.errors import InvalidInputError
+from specbatch.options import check_options, option
 from specbatch.structured_outputs import StructuredOutputsParams
 
 _EPS_GREEDY = 1e-5  # temperatures below this are treated as greedy, as vLLM does
@@ -34,94 +34,67 @@ class SamplingParams:
     output to a JSON schema, a regex, a choice or a grammar; the grammar's end ends the output.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    structured_outputs: StructuredOutputsParams | None = None
+    # fmt: off
+    temperature: float = option(1.0, "0 means greedy", ge=0, metavar="T")
+    top_p: float = option(1.0, "nucleus sampling: smallest set of tokens with this much mass "
+        "(1 = off)", gt=0, le=1, metavar="P")
+    top_k: int = option(0, "sample among the K most likely tokens (0 or -1 = off)", ge=-1,
+        shown="an integer >= 1, or 0 or -1 (off)", metavar="K")
+    min_p: float = option(0.0, "drop tokens below this fraction of the top token's probability",
+        ge=0, le=1, metavar="P")
+    seed: int | None = option(None, "the request's own random stream", type=int, ge=0, lt=2**64,
+        shown="in [0, 2**64)", flag=False)
+    max_tokens: int | None = option(16, "most tokens to generate per request", type=int, ge=1)
+    stop: str | list[str] | None = option(None, "stop when the output contains TEXT (repeat for "
+        "several)", type=str, many=True)
+    stop_token_ids: list[int] | None = option(None, "stop at any of these token ids, "
+        "comma-separated (repeatable)", type=int, many=True, ge=0, metavar="IDS")
+    ignore_eos: bool = option(False, "keep generating after the end-of-sequence token")
+    include_stop_str_in_output: bool = option(False, "keep the stop string at the end of the "
+        "text", flag=False)
+    skip_special_tokens: bool = option(True, "leave special tokens out of the text", flag=False)
+    n: int = option(1, "completions per prompt (they share the prompt's KV blocks)", ge=1,
+        le=MAX_N)
+    presence_penalty: float = option(0.0, "subtracted from the logit of every token generated "
+        "so far", ge=-2, le=2)
+    frequency_penalty: float = option(0.0, "subtracted once per earlier occurrence among the "
+        "generated tokens", ge=-2, le=2)
+    repetition_penalty: float = option(1.0, "transformers' rule over prompt and output tokens "
+        "(1 = off, > 1 discourages)", gt=0)
+    min_tokens: int = option(0, "no EOS or stop token before this many tokens", ge=0)
+    logprobs: int | None = option(None, "record each output token's logprob and the K most "
+        "likely tokens", type=int, ge=0, le=MAX_LOGPROBS, metavar="K")
+    prompt_logprobs: int | None = option(None, "the same for every prompt token", type=int,
+        ge=0, le=MAX_LOGPROBS, flag=False)
+    structured_outputs: StructuredOutputsParams | None = option(None, "constrain every output, "
+        "as vLLM's StructuredOutputsParams (an object: json, regex, choice, grammar or "
+        "json_object)", type=object, metavar="JSON")
+    # fmt: on
     _stop: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
-        self._check_number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        self._check_int("top_k", self.top_k)
+        check_options(SamplingParams, self)
         if self.top_k == -1:
             self.top_k = 0
-        if self.top_k < 0:
-            raise InvalidInputError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
-        self._check_number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidInputError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            self._check_int("seed", self.seed)
-            if not 0 <= self.seed < 2**64:
-                raise InvalidInputError(f"seed must be in [0, 2**64), got {self.seed}")
-        if self.max_tokens is not None:
-            self._check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise InvalidInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        self._check_int("n", self.n)
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidInputError(f"n must be in [1, {MAX_N}], got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            self._check_number(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidInputError(f"{name} must be in [-2, 2], got {value}")
-        self._check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidInputError(
-                f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}"
-            )
-        self._check_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise InvalidInputError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError(
-                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+                "min_tokens",
             )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                self._check_int(name, value)
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise InvalidInputError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
             if self.min_tokens:
                 raise InvalidInputError(
                     f"min_tokens must be 0 with structured_outputs (the grammar decides where "
-                    f"the output ends), got {self.min_tokens}"
+                    f"the output ends), got {self.min_tokens}",
+                    "min_tokens",
                 )
         if self.temperature < _EPS_GREEDY:
             self.temperature = 0.0
-        self._stop = self._normalise_stop(self.stop)
-        ids = self.stop_token_ids or []
-        if not isinstance(ids, (list, tuple)) or any(
-            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids
-        ):
-            raise InvalidInputError(
-                f"stop_token_ids must be a list of non-negative integers, got {ids!r}"
-            )
-        self.stop_token_ids = list(ids)
+        self._stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if "" in self._stop:
+            raise InvalidInputError("stop strings must not be empty", "stop")
+        self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:
@@ -140,30 +113,3 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
-
-    @staticmethod
-    def _normalise_stop(stop: str | list[str] | None) -> list[str]:
-        if stop is None:
-            return []
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-            raise InvalidInputError(f"stop must be a string or a list of strings, got {stop!r}")
-        if any(s == "" for s in items):
-            raise InvalidInputError("stop strings must not be empty")
-        return list(items)
-
-    @staticmethod
-    def _check_number(name: str, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidInputError(f"{name} must be a number, got {value!r}")
-        try:
-            finite = math.isfinite(value)
-        except OverflowError:  # an int past float's range
-            finite = False
-        if not finite:
-            raise InvalidInputError(f"{name} must be a finite number, got {value!r}")
-
-    @staticmethod
-    def _check_int(name: str, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidInputError(f"{name} must be an integer, got {value!r}")

@@ -12,6 +12,11 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 FIELD = "structured_outputs"
 
 
+def _error(message: str) -> InvalidInputError:
+    """An error about the structured output (its message starts with the field's name)."""
+    return InvalidInputError(message, FIELD)
+
+
 @dataclass
 class StructuredOutputsParams:
     """Exactly one of: ``json``, a JSON schema (a dict, or its JSON text); ``regex``;
@@ -31,22 +36,22 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             what = ", ".join(given) if given else "none"
-            raise InvalidInputError(f"{FIELD}: give exactly one of {', '.join(KINDS)}; got {what}")
+            raise _error(f"{FIELD}: give exactly one of {', '.join(KINDS)}; got {what}")
         kind = given[0]
         if not isinstance(self.disable_any_whitespace, bool):
-            raise InvalidInputError(f"{FIELD}.disable_any_whitespace must be a boolean")
+            raise _error(f"{FIELD}.disable_any_whitespace must be a boolean")
         if kind == "json":
             text = self._schema_text()
         elif kind == "choice":
             text = self._choices_text()
         elif kind == "json_object":
             if self.json_object is not True:
-                raise InvalidInputError(f"{FIELD}.json_object must be true or absent")
+                raise _error(f"{FIELD}.json_object must be true or absent")
             text = ""
         else:
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:
-                raise InvalidInputError(f"{FIELD}.{kind} must be a non-empty string")
+                raise _error(f"{FIELD}.{kind} must be a non-empty string")
             text = value
         self._key = jsonlib.dumps([kind, self.disable_any_whitespace, text])
 
@@ -71,15 +76,15 @@ class StructuredOutputsParams:
             try:
                 value = jsonlib.loads(value)
             except ValueError as e:
-                raise InvalidInputError(f"{FIELD}.json: not valid JSON: {e}") from None
+                raise _error(f"{FIELD}.json: not valid JSON: {e}") from None
         if not isinstance(value, (dict, bool)):
-            raise InvalidInputError(
+            raise _error(
                 f"{FIELD}.json must be a JSON schema (an object), got {type(value).__name__}"
             )
         try:  # the properties' order is the output's key order: kept as given
             return jsonlib.dumps(value, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise InvalidInputError(f"{FIELD}.json: not a JSON value: {e}") from None
+            raise _error(f"{FIELD}.json: not a JSON value: {e}") from None
 
     def _choices_text(self) -> str:
         items = self.choice
@@ -88,24 +93,30 @@ class StructuredOutputsParams:
             or not items
             or not all(isinstance(c, str) for c in items)
         ):
-            raise InvalidInputError(f"{FIELD}.choice must be a non-empty list of strings")
+            raise _error(f"{FIELD}.choice must be a non-empty list of strings")
         self.choice = list(items)
         return jsonlib.dumps(self.choice)
 
     @classmethod
     def of(cls, value: Any) -> StructuredOutputsParams:
-        """``value`` itself, or built from a dict of its fields (unknown keys refused)."""
+        """``value`` itself, or built from a dict of its fields or its JSON text (a flag's;
+        unknown keys refused)."""
         if isinstance(value, cls):
             return value
+        if isinstance(value, str):
+            try:
+                value = jsonlib.loads(value)
+            except ValueError as e:
+                raise _error(f"{FIELD}: not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise InvalidInputError(
+            raise _error(
                 f"{FIELD} must be an object with one of {', '.join(KINDS)}, "
                 f"got {type(value).__name__}"
             )
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise InvalidInputError(
+            raise _error(
                 f"{FIELD}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}"
             )
         return cls(**value)

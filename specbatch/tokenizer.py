@@ -19,7 +19,9 @@ def load_tokenizer(path: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many kinds; the user needs the path and cause
-        raise InvalidInputError(f"tokenizer: cannot load a tokenizer from '{path}': {e}") from None
+        raise InvalidInputError(
+            f"tokenizer: cannot load a tokenizer from '{path}': {e}", "tokenizer"
+        ) from None
 
 
 def max_token_chars(tokenizer: Any) -> int:

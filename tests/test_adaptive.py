@@ -241,7 +241,7 @@ def test_drafts_within_the_free_blocks_without_preempting():
 # ---- engine level -------------------------------------------------------------------------------
 def test_engine_args_accept_auto(pair):  # noqa: F811
     llm = engine(pair, "auto", max_draft_length=3)
-    assert llm.engine.config.adaptive_speculation
+    assert llm.engine.config.speculative_config.auto
     policy = llm.engine.scheduler.policy
     assert isinstance(policy, DraftController) and policy.shape.depth == 3
     out = llm.generate(
@@ -258,6 +258,11 @@ def test_engine_args_accept_auto(pair):  # noqa: F811
     assert out[0].metrics.draft_lengths  # the per-request metrics: drafts of each round
     assert policy.target.level is not None and math.isfinite(policy.target.level)
     assert policy.estimated_speedup is not None
+    assert page["specbatch:spec_decode_estimated_speedup"] == pytest.approx(
+        policy.estimated_speedup
+    )
+    m = llm.engine.metrics
+    assert page["specbatch:spec_decode_drafting_share"] == m.drafting_steps / m.decoding_steps
     fixed = engine(pair, 2)
     page = parse_metrics(ServerMetrics(AsyncLLMEngine(fixed.engine), "m").render())
     assert "specbatch:spec_decode_draft_length_count" not in page
@@ -303,7 +308,7 @@ def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
 
 def test_cli_flags_take_auto(capsys):
     from specbatch.entrypoints.cli import build_parser
-    from specbatch.entrypoints.engine_flags import engine_args_from
+    from specbatch.entrypoints.flags import engine_args_from
 
     argv = ["generate", "--prompts", "p.txt", "--output", "o.jsonl"]
     ns = build_parser().parse_args([*argv, "--num-speculative-tokens", "auto"])
@@ -334,4 +339,4 @@ def test_engine_args_reject_bad_auto_settings(pair):  # noqa: F811
             target, draft, num_speculative_tokens="auto", max_draft_length=0
         ).create_engine_config()
     cfg = EngineArgs(target, draft, num_speculative_tokens=2, max_num_seqs=4).create_engine_config()
-    assert not cfg.adaptive_speculation and cfg.num_speculative_tokens == 2
+    assert not cfg.speculative_config.auto and cfg.speculative_config.depth == 2

@@ -241,7 +241,7 @@ def test_bench_config_checks_its_trees() -> None:
 @pytest.mark.parametrize(
     ("tree", "limit"),
     [
-        ("5x4/64", "--trees 5x4/64: speculative_config.num_draft_tokens must be at most 63"),
+        ("5x4/64", "--trees 5x4/64: speculative_config.num_draft_tokens must be in [1, 63]"),
         ("9x9/40", "--trees 9x9/40: speculative_config.topk x (num_speculative_tokens - 1) "
          "must be at most 64"),
     ],
@@ -343,7 +343,8 @@ def test_each_repeat_runs_prompts_of_its_own(
             first = kw.get("first_prompt", 0)
             if num_requests == 3:  # a measured run, not a warm-up
                 prompts = tuple(tuple(workload.prompt(first + i)) for i in range(num_requests))
-                measured.append((batch_size, engine.config.num_speculative_tokens, first, prompts))
+                depth = engine.config.speculative_config.depth
+                measured.append((batch_size, depth, first, prompts))
             super().__init__(engine, workload, batch_size, num_requests, params, **kw)
 
     monkeypatch.setattr(offline, "CellRun", Recording)  # side by side
@@ -504,7 +505,7 @@ def test_bench_mixed_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from specbatch.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["bench", "--mixed", "1.5", "--batch-sizes", "1"])
-    assert config_from(ns).mixed_hard_temperature == 1.5
+    assert config_from(ns).mixed == 1.5
     assert main(["bench", "--mixed", "-1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--mixed" in err and "temperature" in err
@@ -540,7 +541,7 @@ def test_tree_cells_run_the_mixed_workload(make_checkpoint: Callable[..., Path])
         draft_lengths=[0, 2],
         trees=[DraftShape(2, 2, 5)],
         tree_children="top",
-        mixed_hard_temperature=1.0,
+        mixed=1.0,
         input_len=8,
         output_len=6,
         output_len_spread=0.0,

@@ -197,12 +197,13 @@ def test_each_cell_engine_drafts_what_its_cell_asks(make_checkpoint: Callable[..
     built = {str(d): build_engine(cfg, d, 2) for d in cfg.drafts}
     try:
         assert list(built) == ["0", "3", "2x2/5", "auto"]
-        assert not built["0"].config.speculative
-        assert built["3"].config.draft_shape == DraftShape.chain(3)
+        assert not built["0"].config.speculative_config.speculative
+        assert built["3"].config.speculative_config.shape == DraftShape.chain(3)
         tree = built["2x2/5"].config
-        assert tree.draft_shape == DraftShape(2, 2, 5) and tree.tree_children == "top"
+        assert tree.speculative_config.shape == DraftShape(2, 2, 5)
+        assert tree.speculative_config.tree_children == "top"
         auto = built["auto"]
-        assert auto.config.adaptive_speculation
+        assert auto.config.speculative_config.auto
         assert isinstance(auto.scheduler.policy, DraftController)
         # auto's ladder holds trees of the grid's children per node, up to its deepest cell
         trees = [s for s in auto.scheduler.policy.shapes if not s.is_chain]

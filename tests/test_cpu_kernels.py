@@ -233,7 +233,7 @@ def test_dtype_auto_on_a_cpu() -> None:
     """float32 weights stay float32; 16-bit weights run in bfloat16 on the kernels."""
     from types import SimpleNamespace
 
-    from specbatch.config import resolve_dtype
+    from specbatch.model.checkpoint import resolve_dtype
 
     assert resolve_dtype("auto", SimpleNamespace(dtype="float32"), "cpu") == torch.float32
     want = torch.bfloat16

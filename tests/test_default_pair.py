@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from specbatch import LLM, EngineArgs, SamplingParams
-from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, default_model_path
+from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.model.eagle import detect_layout
+from specbatch.speculative_config import SpeculativeConfig
 from specbatch.tokenizer import load_tokenizer
 from tests.helpers import assert_full_vocab_head_has_no_d2t, hf_greedy
 
@@ -31,10 +32,11 @@ def test_pair_is_small_and_shares_a_tokenizer():
 def test_the_builtin_target_drafts_with_its_eagle3_head(spec):
     """Without a model, either EAGLE method name picks the head shipped with the target."""
     config = EngineArgs(speculative_config=spec).create_engine_config()
-    assert config.spec_method == "eagle" and config.adaptive_speculation  # auto by default
-    assert config.num_speculative_tokens == DEFAULT_MAX_DRAFT_LENGTH
+    resolved = config.speculative_config
+    assert resolved.method == "eagle" and resolved.auto  # auto by default
+    assert resolved.depth == SpeculativeConfig.max_draft_length
     fixed = EngineArgs(speculative_config=spec, batch_invariant=True).create_engine_config()
-    assert not fixed.adaptive_speculation and fixed.num_speculative_tokens == 3
+    assert not fixed.speculative_config.auto and fixed.speculative_config.depth == 3
     assert config.draft is not None and config.draft.path == default_model_path("eagle")
     assert detect_layout(config.draft.path) == "eagle3"
     assert_full_vocab_head_has_no_d2t(Path(config.draft.path))
@@ -46,7 +48,7 @@ def test_specbatch_greedy_equals_transformers_on_the_shipped_weights():
     # The built-in pair, speculating, in float32 as transformers runs it: in bfloat16 the two
     # round differently and a near-tie may go either way.
     llm = LLM(max_model_len=256, dtype="float32")
-    assert llm.engine.config.speculative
+    assert llm.engine.config.speculative_config.speculative
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     expected = hf_greedy(default_model_path("target"), ids, 24)

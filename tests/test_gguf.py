@@ -190,7 +190,8 @@ def test_dtype_auto_follows_the_stored_matrices(
     gguf_file: Callable[[str], Path], case: str, stored: str
 ) -> None:
     """float32 files stay float32; quantized ones run as a 16-bit checkpoint would."""
-    from specbatch.config import EngineArgs, resolve_dtype
+    from specbatch.config import EngineArgs
+    from specbatch.model.checkpoint import resolve_dtype
 
     config = EngineArgs(model=str(gguf_file(case)), device="cpu").create_engine_config()
     assert str(config.target.hf_config.dtype) in (stored, f"torch.{stored}")

@@ -17,9 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
+from specbatch.model.checkpoint import load_hf_config
 from specbatch.model.layers.attention import AttentionMetadata
 from specbatch.model.llama import LlamaForCausalLM
-from specbatch.model.loader import load_hf_config, load_model
+from specbatch.model.loader import load_model
 from tests.helpers import shuffled_block_tables
 
 BLOCK_SIZE = 4

@@ -106,16 +106,18 @@ def test_bad_speculative_config(tiny_llama_checkpoint, config, message) -> None:
 def test_speculative_config_and_shorthands(tiny_llama_checkpoint, make_checkpoint) -> None:
     target = str(tiny_llama_checkpoint)
     cfg = EngineArgs(target, speculative_config={"method": "ngram"}).create_engine_config()
-    assert (cfg.spec_method, cfg.num_speculative_tokens, cfg.draft) == ("ngram", 4, None)
-    assert cfg.adaptive_speculation  # no length given: the controller chooses, up to 4
-    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 4) and cfg.speculative
+    spec = cfg.speculative_config
+    assert (spec.method, spec.depth, cfg.draft) == ("ngram", 4, None)
+    assert spec.auto  # no length given: the controller chooses, up to 4
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4) and spec.speculative
     draft = str(make_checkpoint("llama", num_layers=1, seed=9))
     as_json = f'{{"model": "{draft}", "num_speculative_tokens": "auto", "max_draft_length": 6}}'
     cfg = EngineArgs(target, speculative_config=as_json).create_engine_config()
-    assert cfg.spec_method == "draft_model" and cfg.draft is not None
-    assert cfg.adaptive_speculation and cfg.num_speculative_tokens == 6
+    spec = cfg.speculative_config
+    assert spec.method == "draft_model" and cfg.draft is not None
+    assert spec.auto and spec.depth == 6
     short = EngineArgs(target, draft_model=draft, num_speculative_tokens=2).create_engine_config()
-    assert short.draft is not None and short.num_speculative_tokens == 2
+    assert short.draft is not None and short.speculative_config.num_speculative_tokens == 2
     with pytest.raises(InvalidInputError, match="speculative_config and draft_model were both"):
         EngineArgs(target, draft_model=draft, speculative_config={"method": "ngram"})\
             .create_engine_config()  # fmt: skip

@@ -179,12 +179,8 @@ def test_sampling_tensors_flags_and_repeat() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        ([-0.1], [0], [1.0], [0.0]),
-        ([1.0], [-1], [1.0], [0.0]),
-        ([1.0], [0], [0.0], [0.0]),
-        ([1.0], [0], [1.5], [0.0]),
-        ([1.0], [0], [1.0], [1.1]),
         ([1.0, 1.0], [0], [1.0], [0.0]),
+        ([1.0], [0], [1.0, 1.0], [0.0]),
     ],
 )
 def test_sampling_tensors_reject_bad_values(bad) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from specbatch.bench.cells import CellResult, latency_figures, spec_figures
 from specbatch.bench.drafts import Draft
 from specbatch.bench.workload import Workload
+from specbatch.engine.data_parallel import DataParallelEngine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
@@ -51,9 +52,10 @@ class PassCounts(EngineMetrics):
                 self.draft_passes += 1
 
 
-def engine_draft(engine: LLMEngine) -> Draft:
+def engine_draft(engine: LLMEngine | DataParallelEngine) -> Draft:
     """What an engine drafts: ``auto``, or its fixed shape (``DraftShape()``: nothing)."""
-    return "auto" if engine.config.adaptive_speculation else engine.config.draft_shape
+    spec = engine.config.speculative_config
+    return "auto" if spec.auto else spec.shape
 
 
 class OwnClock:
@@ -106,7 +108,7 @@ class CellRun:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | DataParallelEngine,
         workload: Workload,
         batch_size: int,
         num_requests: int,
@@ -171,7 +173,9 @@ class CellRun:
         m = self.engine.metrics
         assert isinstance(m, PassCounts)
         s = m.spec
-        timed = [self.clock.metrics(o.metrics) for o in self.finished]
+        # a data-parallel cell runs alone, its requests timed in the replicas' processes
+        dp = isinstance(self.engine, DataParallelEngine)
+        timed = [o.metrics if dp else self.clock.metrics(o.metrics) for o in self.finished]
         latencies = {
             "tpot": [t for r in timed if (t := r.time_per_output_token) is not None],
             "ttft": [t for r in timed if (t := r.time_to_first_token) is not None],
@@ -221,7 +225,7 @@ def run_side_by_side(runs: Sequence[CellRun]) -> list[CellResult]:
 
 
 def run_cell(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     workload: Workload,
     batch_size: int,
     num_requests: int,

@@ -10,6 +10,7 @@ import torch
 
 from specbatch.bench.drafts import PLAIN, Draft, is_tree, speculative_keys
 from specbatch.config import EngineArgs
+from specbatch.engine.data_parallel import DataParallelEngine, create_engine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 
@@ -26,7 +27,7 @@ def drafter(cfg: BenchConfig) -> dict[str, Any]:
     return {"method": "eagle"}  # the built-in target's own head
 
 
-def build_engine(cfg: BenchConfig, draft: Draft, max_seqs: int) -> LLMEngine:
+def build_engine(cfg: BenchConfig, draft: Draft, max_seqs: int) -> LLMEngine | DataParallelEngine:
     """The engine of one cell: plain for ``DraftShape()``, else the grid's drafter asked for
     ``draft`` through ``speculative_config``. An engine that rejects a tree (or auto's trees)
     says which cell asked for it."""
@@ -42,18 +43,18 @@ def build_engine(cfg: BenchConfig, draft: Draft, max_seqs: int) -> LLMEngine:
     else:
         kwargs["num_speculative_tokens"] = 0
     try:
-        return LLMEngine.from_engine_args(EngineArgs(model=cfg.model, seed=cfg.seed, **kwargs))
+        return create_engine(EngineArgs(model=cfg.model, seed=cfg.seed, **kwargs))
     except InvalidInputError as e:
         if is_tree(draft):
-            raise InvalidInputError(f"trees {draft}: {e}") from None
+            raise InvalidInputError(f"trees {draft}: {e}", "trees") from None
         if draft == "auto" and not cfg.auto_shape.is_chain:
             raise InvalidInputError(
-                f"draft_lengths auto with trees up to {cfg.auto_shape}: {e}"
+                f"draft_lengths auto with trees up to {cfg.auto_shape}: {e}", "draft_lengths"
             ) from None
         raise
 
 
-def share_weights(engines: Sequence[LLMEngine]) -> None:
+def share_weights(engines: Sequence[LLMEngine | DataParallelEngine]) -> None:
     """Point every in-process engine's target (and draft) at the first one's tensors: they are
     the same checkpoint, and side by side (cell_run.py) each engine's step would otherwise
     begin by reading its own copy back into the caches that the other engines' steps evicted,
@@ -61,7 +62,7 @@ def share_weights(engines: Sequence[LLMEngine]) -> None:
     keep their own."""
     first: dict[str, torch.nn.Module] = {}
     for engine in engines:
-        worker = getattr(engine.executor, "worker", None)
+        worker = getattr(getattr(engine, "executor", None), "worker", None)
         if worker is None:
             continue
         for role in ("target", "draft"):

@@ -49,6 +49,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from specbatch.bench.auto_vs_fixed import auto_vs_fixed
@@ -56,13 +57,15 @@ from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
 from specbatch.bench.cells import CellResult, compare_with_plain, crossover, pool_runs
 from specbatch.bench.drafts import Draft, auto_shape, order, tree_problem
 from specbatch.bench.engines import build_engine, share_weights
-from specbatch.bench.workload import WORKLOADS, build_workload, mixed, spread_output_lengths
-from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH
+from specbatch.bench.workload import WORKLOADS, build_workload, spread_output_lengths
+from specbatch.bench.workload import mixed as mixed_workload
 from specbatch.draft_shape import DraftShape
+from specbatch.engine.data_parallel import DataParallelEngine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
+from specbatch.options import check_options, option, same_as
 from specbatch.sampling_params import SamplingParams
-from specbatch.speculative_config import TREE_CHILDREN
+from specbatch.speculative_config import SpeculativeConfig
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
@@ -103,32 +106,52 @@ class BenchConfig:
         default_factory=lambda: list(DEFAULT_DRAFT_LENGTHS)
     )
     trees: list[DraftShape] = field(default_factory=list)  # draft trees, cells beside them
-    tree_children: str = TREE_CHILDREN[0]  # the trees' children: "sampled" from q, or "top"
-    input_len: int = DEFAULT_INPUT_LEN
-    output_len: int = DEFAULT_OUTPUT_LEN
-    # each prompt's output length uniform in output_len * [1 - spread, 1 + spread]
-    output_len_spread: float = DEFAULT_OUTPUT_LEN_SPREAD
-    num_requests: int | None = None  # per cell; None: default_num_requests(B)
-    prompts_file: str | None = None
-    temperature: float = 0.0
-    repeats: int = 1  # runs of each cell, in rounds; the cell is reported over all of them
-    # None: every request at ``temperature``; a float: the mixed workload (bench/workload.py),
-    # easy greedy requests in turn with hard ones sampled at this temperature
-    mixed_hard_temperature: float | None = None
+    # fmt: off
+    tree_children: str = same_as(SpeculativeConfig, "tree_children", flag=True)
+    input_len: int = option(DEFAULT_INPUT_LEN, "prompt tokens per request", ge=1, metavar="N")
+    output_len: int = option(DEFAULT_OUTPUT_LEN, "output tokens per request, on average", ge=2,
+        metavar="N")
+    output_len_spread: float = option(DEFAULT_OUTPUT_LEN_SPREAD, "each prompt's output length "
+        "uniform in --output-len x [1 - S, 1 + S], the same for every cell; 0: all exactly "
+        "--output-len", ge=0, lt=1, metavar="S")
+    num_requests: int | None = option(None, "requests measured per cell (default: max(4 B, "
+        "16))", type=int, ge=1, metavar="N")
+    prompts: str | None = option(None, "prompts file (.txt or .jsonl), each cut or repeated to "
+        "--input-len tokens (default: the built-in pair's held-out stdlib text; random ids "
+        "without a tokenizer)", type=Path, metavar="FILE")
+    temperature: float = same_as(SamplingParams, "temperature", 0.0, help="sampling "
+        "temperature, 0 = greedy")
+    repeats: int = option(1, "run every cell N times, the cells of a batch size in interleaved "
+        "rounds, and report each cell over all its runs: tokens/s as the output tokens over "
+        "the time, both summed", ge=1, metavar="N")
+    interleave: str = option("steps", "steps: a round's cells side by side, in turns of one "
+        "engine step, each timed on its own clock (cell_run.py); cells: one after another, "
+        "each alone on the machine (with --data-parallel-size above 1 always cells: replicas "
+        "step on their own)", choices=INTERLEAVE)
+    mixed: float | None = option(None, "the mixed workload (bench/workload.py): easy requests "
+        "(repetitive code, greedy) in turn with hard ones (the prompts sampled at temperature "
+        "T); --temperature is then unused", type=float, metavar="T")
+    workload: str = option("heldout", "heldout: windows of the built-in pair's held-out stdlib "
+        "files; grounded: each a held-out function followed by its first lines again, so "
+        "outputs copy spans of the prompt (what n-gram drafting is for; give --input-len 256 "
+        "or so)", choices=WORKLOADS)
+    # fmt: on
     seed: int = 0
-    # "steps": a round's cells side by side, a step at a time (cell_run.py); "cells": one
-    # after another, each engine alone on the machine
-    interleave: str = "steps"
     # the drafter as speculative_config (its num_speculative_tokens comes from the grid);
     # None: ``draft_model``, or the built-in target's own drafter (its EAGLE head)
     speculative_config: dict[str, Any] | None = None
-    workload: str = "heldout"  # "heldout" stdlib windows, or "grounded" (bench/workload.py)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more EngineArgs fields
 
     def check(self) -> None:
         def bad(name: str, why: str) -> InvalidInputError:
-            return InvalidInputError(f"{name} {why}")
+            return InvalidInputError(f"{name} {why}", name)
 
+        check_options(BenchConfig, self)
+        if self.mixed is not None:  # checked as the temperature it becomes
+            try:
+                SamplingParams(temperature=self.mixed)
+            except InvalidInputError as e:
+                raise InvalidInputError(f"mixed: {e}", "mixed") from None
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise bad("batch_sizes", "must be integers >= 1")
         if not self.draft_lengths and not self.trees:
@@ -140,22 +163,6 @@ class BenchConfig:
             problem = tree_problem(tree) if isinstance(tree, DraftShape) else None
             if not isinstance(tree, DraftShape) or problem is not None:
                 raise bad("trees", problem or f"must be DraftShapes, got {tree!r}")
-        if self.tree_children not in TREE_CHILDREN:
-            choices = ", ".join(TREE_CHILDREN)
-            raise bad("tree_children", f"must be one of {choices}, got {self.tree_children!r}")
-        if self.input_len < 1 or self.output_len < 2:
-            raise bad("input_len", "must be >= 1 (and output_len >= 2)")
-        if not 0 <= self.output_len_spread < 1:
-            raise bad("output_len_spread", f"must be in [0, 1), got {self.output_len_spread}")
-        if self.num_requests is not None and self.num_requests < 1:
-            raise bad("num_requests", "must be >= 1")
-        if self.repeats < 1:
-            raise bad("repeats", "must be >= 1")
-        if self.interleave not in INTERLEAVE:
-            choices = ", ".join(INTERLEAVE)
-            raise bad("interleave", f"must be one of {choices}, got {self.interleave!r}")
-        if self.workload not in WORKLOADS:
-            raise bad("workload", f"must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         drafter = self.draft_model is not None or self.speculative_config is not None
         if self.lookahead > 0 and self.model is not None and not drafter:
             raise bad(
@@ -172,7 +179,7 @@ class BenchConfig:
     @property
     def auto_shape(self) -> DraftShape:
         """The auto cell's largest drafts (``drafts.auto_shape``)."""
-        return auto_shape(self.drafts, DEFAULT_MAX_DRAFT_LENGTH)
+        return auto_shape(self.drafts, SpeculativeConfig.max_draft_length)
 
     @property
     def lookahead(self) -> int:
@@ -233,10 +240,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
     cells: list[CellResult] = []
     source = ""
+    # data-parallel replicas step on their own, so cells cannot take turns: one after another
+    data_parallel = int(cfg.engine_kwargs.get("data_parallel_size") or 1) > 1
     # One engine per draft, all up for the whole run, so that the cells of a round can run side
     # by side. The auto cell's controller lives as long as its engine, as in a server: it
     # learns in its first cells and keeps learning from every later auto cell.
-    engines: dict[Draft, LLMEngine] = {}
+    engines: dict[Draft, LLMEngine | DataParallelEngine] = {}
     try:
         for d in drafts:
             engines[d] = build_engine(cfg, d, max(sizes))
@@ -247,12 +256,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             output_len=cfg.output_len,
             # every repeat of a cell runs prompts of its own (see the module's docstring)
             num_prompts=max(64, WARMUP_REQUESTS + cfg.repeats * max(map(cfg.requests_for, sizes))),
-            prompts_file=cfg.prompts_file,
+            prompts_file=cfg.prompts,
             seed=cfg.seed,
             grounded=cfg.workload == "grounded",
         )
-        if cfg.mixed_hard_temperature is not None:
-            workload = mixed(workload, engines[drafts[0]].tokenizer, cfg.mixed_hard_temperature)
+        if cfg.mixed is not None:
+            workload = mixed_workload(workload, engines[drafts[0]].tokenizer, cfg.mixed)
         workload = spread_output_lengths(workload, cfg.output_len_spread, cfg.seed)
         source = workload.source
         on_finished = bar.update if bar is not None else None
@@ -264,7 +273,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                 if bar is not None:
                     bar.set_description(f"bench B={b} round {r + 1}/{cfg.repeats}")
                 first = WARMUP_REQUESTS + r * n
-                if cfg.interleave == "steps":
+                if cfg.interleave == "steps" and not data_parallel:
                     for d in round_order:
                         run_cell(engines[d], workload, b, min(b, WARMUP_REQUESTS), warm)
                     cell_runs = [

@@ -13,6 +13,7 @@ from typing import Any
 
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
+from specbatch.prompts_file import read_prompts
 from specbatch.sampling_params import SamplingParams
 
 TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pair" / "training.json"
@@ -93,7 +94,7 @@ def mixed(workload: Workload, tokenizer: Any, hard_temperature: float) -> Worklo
 def _fit(ids: Sequence[int], length: int) -> list[int]:
     """``ids`` cut to ``length`` tokens, or repeated until it is that long."""
     if not ids:
-        raise InvalidInputError("prompts: a prompt has no tokens")
+        raise InvalidInputError("prompts: a prompt has no tokens", "prompts")
     reps = -(-length // len(ids))
     return (list(ids) * reps)[:length]
 
@@ -111,7 +112,9 @@ def heldout_texts() -> tuple[list[str], str]:
         except (OSError, UnicodeDecodeError):
             continue
     if not texts:
-        raise InvalidInputError(f"prompts: none of the held-out stdlib files is under {root}")
+        raise InvalidInputError(
+            f"prompts: none of the held-out stdlib files is under {root}", "prompts"
+        )
     return texts, f"held-out stdlib files ({len(texts)}/{len(paths)} under {root})"
 
 
@@ -164,7 +167,8 @@ def grounded_prompts(
     if body <= GROUNDED_REPEAT:
         raise InvalidInputError(
             f"input_len: the grounded workload needs more than {2 * GROUNDED_REPEAT + len(sep)} "
-            f"tokens, got {input_len}"
+            f"tokens, got {input_len}",
+            "input_len",
         )
     pool = []
     for text in texts:
@@ -173,7 +177,7 @@ def grounded_prompts(
             if len(ids) >= body:
                 pool.append(ids[:body] + sep + ids[:GROUNDED_REPEAT])
     if not pool:
-        raise InvalidInputError(f"input_len: no held-out function has {body} tokens")
+        raise InvalidInputError(f"input_len: no held-out function has {body} tokens", "input_len")
     rng = random.Random(seed)
     prompts = [pool[rng.randrange(len(pool))] for _ in range(num_prompts)]
     return prompts, (
@@ -200,18 +204,16 @@ def build_workload(
     tok = engine.tokenizer
     if grounded:
         if tok is None:
-            raise InvalidInputError("workload: the grounded workload needs a tokenizer")
+            raise InvalidInputError("workload: the grounded workload needs a tokenizer", "workload")
         prompts, source = grounded_prompts(tok, input_len, num_prompts, seed)
         return Workload(prompts, input_len, output_len, source)
     if prompts_file is not None:
-        from specbatch.entrypoints.prompts_file import read_prompts
-
         pf = read_prompts(prompts_file)
         if pf.errors:
             e = pf.errors[0]
-            raise InvalidInputError(f"prompts: {pf.where(e.line_no)}: {e.message}")
+            raise InvalidInputError(f"prompts: {pf.where(e.line_no)}: {e.message}", "prompts")
         if not pf.prompts:
-            raise InvalidInputError(f"prompts: '{prompts_file}' holds no prompt")
+            raise InvalidInputError(f"prompts: '{prompts_file}' holds no prompt", "prompts")
         prompts = [
             _fit(engine.prepare_prompt(p.prompt, field="prompts")[1], input_len) for p in pf.prompts
         ]

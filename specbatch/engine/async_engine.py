@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from specbatch.config import EngineArgs
+from specbatch.engine.engine_state import EngineState
 from specbatch.engine.llm_engine import LLMEngine, PromptInput
 from specbatch.errors import EngineError
 from specbatch.outputs import RequestOutput
@@ -127,6 +128,14 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def engine_state(self) -> EngineState:
+        """The engine's counters and gauges now (for ``/metrics``; plain reads, no lock)."""
+        return EngineState.of(self.engine)
+
+    def replica_health(self) -> list[dict[str, Any]] | None:
+        """Each data-parallel replica's status; None for one engine."""
+        return None
+
     def on_finish(self, callback: Any) -> None:
         """Call ``callback(output)`` (on the event loop) for every request that finishes."""
         self._finish_callbacks.append(callback)
@@ -168,9 +177,11 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        stream: bool = True,
     ) -> RequestStream:
         """Queue a request that ``prepare`` accepted; raises ``QueueFullError`` or
-        ``EngineError`` before anything is queued."""
+        ``EngineError`` before anything is queued. ``stream``: the caller reads outputs before
+        the last (a data-parallel engine sends only the last otherwise)."""
         self._check_admission()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -273,19 +284,22 @@ class AsyncLLMEngine:
             except BaseException as e:  # the engine is dead: fail everyone, refuse new ones
                 self._fail(e)
                 return
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-                    for cb in self._finish_callbacks:
-                        with contextlib.suppress(Exception):
-                            cb(out)
-                if stream is not None:
-                    stream.put(out)
+            self._deliver(outputs)
             if not more:
                 await self._wake.wait()
             else:
                 await asyncio.sleep(0)  # let handlers send what arrived
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                for cb in self._finish_callbacks:
+                    with contextlib.suppress(Exception):
+                        cb(out)
+            if stream is not None:
+                stream.put(out)
 
     def _fail(self, e: BaseException) -> None:
         err = e if isinstance(e, EngineError) else EngineError(f"{type(e).__name__}: {e}")

@@ -9,6 +9,7 @@ from typing import Any
 
 from specbatch.chat import Message, check_messages, conversations_of, render_chat
 from specbatch.config import EngineArgs
+from specbatch.engine.data_parallel import DataParallelEngine, create_engine
 from specbatch.engine.llm_engine import LLMEngine, PromptInput
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.outputs import RequestOutput
@@ -19,11 +20,14 @@ class LLM:
     """An engine in this process, for offline batch generation.
 
     ``LLM(model=DIR, draft_model=DRAFT, num_speculative_tokens=4, ...)`` takes every
-    ``EngineArgs`` field as a keyword.
+    ``EngineArgs`` field as a keyword. With ``data_parallel_size=N`` (N > 1) the engine is N
+    replicas on a Ray cluster (``DataParallelEngine``), each taking prompts as it has room.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.engine: LLMEngine | DataParallelEngine = create_engine(
+            EngineArgs(model=model, **kwargs)
+        )
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -144,8 +148,9 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
         return [list(prompts)]  # a single prompt given as token ids
     if not isinstance(prompts, (list, tuple)):
         raise InvalidInputError(
-            f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}"
+            f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}",
+            "prompts",
         )
     if not prompts:
-        raise InvalidInputError("prompts: the list is empty")
+        raise InvalidInputError("prompts: the list is empty", "prompts")
     return list(prompts)

@@ -23,10 +23,9 @@ from specbatch.outputs import (
     RequestOutput,
     logprob_dicts,
 )
-from specbatch.request import Request
+from specbatch.request import PositionLogprobs, Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.draft_controller import DraftController, ladder
-from specbatch.scheduler.output import PositionLogprobs
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
@@ -47,7 +46,9 @@ def create_executor(config: EngineConfig) -> Executor:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """``executor``: the workers to run on (default: ``create_executor(config)``); the
+        engine owns it from then on and shuts it down."""
         self.config = config
         tok_path = config.target.tokenizer_path
         self.tokenizer = load_tokenizer(tok_path) if tok_path else None
@@ -58,7 +59,7 @@ class LLMEngine:
         self.max_prompt_chars = (config.max_model_len - 1) * (
             max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         )
-        self.executor = create_executor(config)
+        self.executor = executor or create_executor(config)
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
             self.executor.init_kv_cache(num_blocks)
@@ -70,10 +71,11 @@ class LLMEngine:
             self.tokenizer, config.target.vocab_size, self.eos_token_ids
         )
         self.stop_checker = StopChecker(self.tokenizer)
-        policy: SpeculationPolicy = FixedDraft(config.draft_shape)
-        kind = DRAFTERS.get(config.spec_method)
-        if config.adaptive_speculation:
-            largest = config.draft_shape
+        spec = config.speculative_config
+        policy: SpeculationPolicy = FixedDraft(spec.shape)
+        kind = DRAFTERS.get(spec.method)
+        if spec.auto:
+            largest = spec.shape
             policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
         self.scheduler = Scheduler(
             SchedulerLimits(
@@ -84,7 +86,7 @@ class LLMEngine:
             self.kv_cache,
             self.stop_checker,
             policy=policy,
-            speculative=config.speculative,
+            speculative=spec.speculative,
             draft_input=kind.draft_input if kind is not None else "none",
             batch_invariant=config.batch_invariant,
         )
@@ -116,21 +118,25 @@ class LLMEngine:
                 return self.prepare_prompt(list(prompt["prompt_token_ids"]), field)
             if "prompt" in prompt:
                 return self.prepare_prompt(prompt["prompt"], field, add_special_tokens)
-            raise InvalidInputError(f"{field}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            raise InvalidInputError(
+                f"{field}: a dict prompt needs 'prompt' or 'prompt_token_ids'", field
+            )
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidInputError(f"{field}: the prompt is empty")
+                raise InvalidInputError(f"{field}: the prompt is empty", field)
             if self.tokenizer is None:
                 raise InvalidInputError(
                     f"{field}: the model has no tokenizer, so prompts must be token ids "
-                    "({'prompt_token_ids': [...]})"
+                    "({'prompt_token_ids': [...]})",
+                    field,
                 )
             if len(prompt) > self.max_prompt_chars:
                 limit = self.config.max_model_len - 1
                 raise InvalidInputError(
                     f"{field}: {len(prompt)} characters, more than the {self.max_prompt_chars} "
                     f"that any prompt within the limit of {limit} tokens can have (max_model_len "
-                    f"{self.config.max_model_len} leaves room for one output token)"
+                    f"{self.config.max_model_len} leaves room for one output token)",
+                    field,
                 )
             text, ids = prompt, encode_text(self.tokenizer, prompt, add_special_tokens)
         elif isinstance(prompt, (list, tuple)):
@@ -139,20 +145,21 @@ class LLMEngine:
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise InvalidInputError(
-                        f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})"
+                        f"{field}: token id {t!r} is outside the vocabulary [0, {vocab})", field
                     )
         else:
             kind = type(prompt).__name__
             raise InvalidInputError(
-                f"{field}: must be a string, a list of token ids or a dict, got {kind}"
+                f"{field}: must be a string, a list of token ids or a dict, got {kind}", field
             )
         if not ids:
-            raise InvalidInputError(f"{field}: the prompt is empty (0 tokens)")
+            raise InvalidInputError(f"{field}: the prompt is empty (0 tokens)", field)
         limit = self.config.max_model_len - 1
         if len(ids) > limit:
             raise InvalidInputError(
                 f"{field}: {len(ids)} tokens, more than the limit of {limit} "
-                f"(max_model_len {self.config.max_model_len} leaves room for one output token)"
+                f"(max_model_len {self.config.max_model_len} leaves room for one output token)",
+                field,
             )
         return text, ids
 
@@ -166,7 +173,9 @@ class LLMEngine:
         """Everything ``add_request`` would refuse, checked without adding anything. Reads only
         the tokenizer and the configuration: safe on another thread than the engine's."""
         if params.stop_strings and self.tokenizer is None:
-            raise InvalidInputError("stop: stop strings need a tokenizer, and the model has none")
+            raise InvalidInputError(
+                "stop: stop strings need a tokenizer, and the model has none", "stop"
+            )
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         return self.prepare_prompt(prompt, field, add_special_tokens)

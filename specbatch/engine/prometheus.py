@@ -102,20 +102,27 @@ class _EngineCollector(Collector):
         self.engine, self.metrics = engine, metrics
 
     def collect(self) -> Iterator[Metric]:
-        e, model = self.engine.engine, self.metrics.model_name
-        m, spec = e.metrics, e.metrics.spec
-        running, waiting = e.num_requests()
-        n_run, n_all = len(e.scheduler.running), len(e.scheduler.requests)
-        total, used = e.num_kv_blocks, e.num_kv_blocks - e.num_free_kv_blocks
+        model = self.metrics.model_name
+        st = self.engine.engine_state()
+        m, spec = st.metrics, st.metrics.spec
+        total, used = st.kv_blocks_total, st.kv_blocks_used
         nan, usage = float("nan"), used / total if total else 0.0
         rate = nan if spec.acceptance_rate is None else spec.acceptance_rate
         alpha = nan if spec.alpha is None else spec.alpha
         gauges = (
             ("healthy", "1 while the engine can serve requests.", self.engine.is_healthy),
-            ("num_requests_running", "Requests in the batch (n > 1 counted once).", running),
-            ("num_requests_waiting", "Requests waiting (n > 1 counted once).", waiting),
-            ("num_completions_running", "Completions (n per request) in the batch.", n_run),
-            ("num_completions_waiting", "Completions (n per request) waiting.", n_all - n_run),
+            ("num_requests_running", "Requests in the batch (n > 1 counted once).", st.running),
+            ("num_requests_waiting", "Requests waiting (n > 1 counted once).", st.waiting),
+            (
+                "num_completions_running",
+                "Completions (n per request) in the batch.",
+                st.completions_running,
+            ),
+            (
+                "num_completions_waiting",
+                "Completions (n per request) waiting.",
+                st.completions_waiting,
+            ),
             ("kv_blocks_total", "KV-cache blocks in the pool.", total),
             ("kv_blocks_used", "KV-cache blocks in use.", used),
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage),
@@ -129,7 +136,7 @@ class _EngineCollector(Collector):
             (
                 "spec_decode_estimated_speedup",
                 "auto: its plans' expected tokens/s over no drafts', from measured pass costs.",
-                gain if (gain := getattr(e.scheduler.policy, "estimated_speedup", None)) else nan,
+                nan if (gain := st.estimated_speedup) is None else gain,
             ),
         )
         counters = (
@@ -167,9 +174,19 @@ class _EngineCollector(Collector):
             for key, value in values.items():
                 family.add_metric([model, str(key)], value)
             yield family
-        if e.config.adaptive_speculation:  # the draft lengths granted, 0 included
+        replicas = self.engine.replica_health()
+        if replicas is not None:
+            family = GaugeMetricFamily(
+                PREFIX + "replica_healthy",
+                "1 while this data-parallel replica serves.",
+                labels=["model_name", "replica"],
+            )
+            for r in replicas:
+                family.add_metric([model, str(r["replica"])], float(r["status"] == "ok"))
+            yield family
+        if st.draft_nodes is not None:  # auto: the draft lengths granted, 0 included
             counts = m.draft_length_counts
-            lengths = range(e.scheduler.policy.shape.nodes + 1)
+            lengths = range(st.draft_nodes + 1)
             buckets = [(str(k), sum(counts.get(j, 0) for j in range(k + 1))) for k in lengths]
             family = HistogramMetricFamily(
                 PREFIX + "spec_decode_draft_length",

@@ -15,13 +15,17 @@ import asyncio
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from specbatch.bench.serve_load import format_table, plot, run_benchmark, synthetic_prompts
+from specbatch.entrypoints.flags import add_options, values_of
 from specbatch.errors import InvalidInputError
+from specbatch.options import check_options, option, same_as
+from specbatch.sampling_params import SamplingParams
 
 
 def parse_rates(value: str) -> list[float]:
@@ -41,6 +45,35 @@ def parse_rates(value: str) -> list[float]:
     return rates
 
 
+@dataclass
+class LoadOptions:
+    # fmt: off
+    base_url: str = option("http://127.0.0.1:8000", "server URL", metavar="URL")
+    num_prompts: int = option(100, "requests per rate", ge=1, metavar="N")
+    max_concurrency: int | None = option(None, "most requests in flight at once; a request "
+        "that arrives past it waits for one to finish (default: no limit)", type=int, ge=1,
+        metavar="C")
+    max_tokens: int = same_as(SamplingParams, "max_tokens", 32, help="per request")
+    temperature: float = same_as(SamplingParams, "temperature", 0.0, help="0 = greedy")
+    ignore_eos: bool = same_as(SamplingParams, "ignore_eos", help="always generate --max-tokens")
+    prompts: str | None = option(None, ".txt or .jsonl prompts, cycled (default: synthetic "
+        "prompts of --input-words words)", type=Path, metavar="FILE")
+    input_words: int = option(16, "synthetic prompt length", ge=1)
+    seed: int = option(0, "seeds the prompts and arrival times", ge=0)
+    model: str | None = option(None, "model name (default: the server's first)", type=str,
+        metavar="NAME")
+    api_key: str | None = option(None, "bearer token to send (default: none)", type=str,
+        metavar="KEY")
+    timeout: float = option(300.0, "per request, in seconds", gt=0, metavar="S")
+    output_json: str = option("bench_serve.json", "the report", type=Path, metavar="FILE")
+    output_png: str = option("bench_serve.png", "latency against throughput", type=Path,
+        metavar="FILE")
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        check_options(LoadOptions, self)
+
+
 def add_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "serve",
@@ -49,129 +82,54 @@ def add_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)"
-    )
-    p.add_argument(
         "--request-rate",
         type=parse_rates,
         default=[float("inf")],
         metavar="RATES",
         help="comma-separated requests/s, inf = all at once (default: inf)",
     )
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        default=100,
-        metavar="N",
-        help="requests per rate (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        metavar="C",
-        help="most requests in flight at once; a request that arrives past it waits for one "
-        "to finish (default: no limit)",
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=32, metavar="N", help="per request (default: %(default)s)"
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        metavar="T",
-        help="0 = greedy (default: %(default)s)",
-    )
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
-    p.add_argument(
-        "--prompts",
-        metavar="FILE",
-        help=".txt or .jsonl prompts, cycled (default: synthetic prompts of --input-words words)",
-    )
-    p.add_argument(
-        "--input-words",
-        type=int,
-        default=16,
-        metavar="N",
-        help="synthetic prompt length (default: %(default)s)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds the prompts and arrival times (default: %(default)s)",
-    )
-    p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument(
-        "--api-key", default=None, metavar="KEY", help="bearer token to send (default: none)"
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="per request, in seconds (default: %(default)s)",
-    )
-    p.add_argument(
-        "--output-json",
-        default="bench_serve.json",
-        metavar="FILE",
-        help="the report (default: %(default)s)",
-    )
-    p.add_argument(
-        "--output-png",
-        default="bench_serve.png",
-        metavar="FILE",
-        help="latency against throughput (default: %(default)s)",
-    )
+    add_options(p, LoadOptions, "load options")
     p.set_defaults(func=run)
     return p
 
 
-def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
-    if args.num_prompts < 1:
-        raise InvalidInputError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise InvalidInputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    if args.prompts is None:
-        return list(synthetic_prompts(args.num_prompts, args.input_words, args.seed))
-    from specbatch.entrypoints.prompts_file import read_prompts
+def load_prompts(opts: LoadOptions) -> list[str | list[int]]:
+    if opts.prompts is None:
+        return list(synthetic_prompts(opts.num_prompts, opts.input_words, opts.seed))
+    from specbatch.prompts_file import read_prompts
 
-    lines = read_prompts(args.prompts).prompts
+    lines = read_prompts(opts.prompts).prompts
     if not lines:
-        raise InvalidInputError(f"--prompts: '{args.prompts}' holds no prompts")
-    return [lines[i % len(lines)].prompt for i in range(args.num_prompts)]
-
-
-def _run_async(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict[str, Any]:
-    return asyncio.run(
-        run_benchmark(
-            args.base_url,
-            args.request_rate,
-            prompts,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            ignore_eos=args.ignore_eos,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            model=args.model,
-            api_key=args.api_key,
-            timeout=args.timeout,
-        )
-    )
+        raise InvalidInputError(f"prompts: '{opts.prompts}' holds no prompts", "prompts")
+    return [lines[i % len(lines)].prompt for i in range(opts.num_prompts)]
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts = load_prompts(args)
+    opts = LoadOptions(**values_of(args, LoadOptions))
+    prompts = load_prompts(opts)
+    load = run_benchmark(
+        opts.base_url,
+        args.request_rate,
+        prompts,
+        max_tokens=opts.max_tokens,
+        temperature=opts.temperature,
+        ignore_eos=opts.ignore_eos,
+        max_concurrency=opts.max_concurrency,
+        seed=opts.seed,
+        model=opts.model,
+        api_key=opts.api_key,
+        timeout=opts.timeout,
+    )
     try:
-        report = _run_async(args, prompts)
+        report = asyncio.run(load)
     except httpx.HTTPError as e:
-        raise InvalidInputError(f"--base-url: cannot benchmark {args.base_url}: {e}") from None
+        raise InvalidInputError(
+            f"base_url: cannot benchmark {opts.base_url}: {e}", "base_url"
+        ) from None
     print(format_table(report))
-    Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.output_png)
-    print(f"wrote {args.output_json} and {args.output_png}", file=sys.stderr)
+    Path(opts.output_json).write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, opts.output_png)
+    print(f"wrote {opts.output_json} and {opts.output_png}", file=sys.stderr)
     failed = sum(r["errors"] for r in report["runs"])
     for r in report["runs"]:
         for e in r["error_examples"]:

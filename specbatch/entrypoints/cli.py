@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from specbatch import __version__
 from specbatch.entrypoints import bench, bench_serve, generate, serve, verify
-from specbatch.entrypoints.engine_flags import CliParser, flag_message
+from specbatch.entrypoints.flags import CliParser, flag
 from specbatch.entrypoints.signals import exit_status, sigterm_as_interrupt, what_happened
 from specbatch.errors import EngineError, InvalidInputError
 
@@ -49,12 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_as_interrupt():
             return int(args.func(args))
     except InvalidInputError as e:
-        return _error(
-            flag_message(
-                str(e),
-                extra_fields=(*generate.FIELDS, *verify.FIELDS, *bench.FIELDS, *serve.FIELDS),
-            )
-        )
+        return _error(e.named(flag(e.field)) if e.field is not None else str(e))
     except OSError as e:
         where = f"'{e.filename}': " if getattr(e, "filename", None) else ""
         return _error(f"{where}{e.strerror or e}")

@@ -4,40 +4,46 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
+from specbatch.engine.data_parallel import DataParallelEngine, create_engine
+from specbatch.engine.engine_state import EngineState
 from specbatch.engine.llm_engine import LLMEngine
-from specbatch.entrypoints.engine_flags import (
+from specbatch.entrypoints.flags import (
     add_engine_flags,
     add_sampling_flags,
-    check_sampling_flags,
     engine_args_from,
-    sampling_kwargs_from,
+    values_of,
 )
 from specbatch.entrypoints.generate_output import ResultsFile, load_finished, result_record
-from specbatch.entrypoints.prompts_file import PromptLine, PromptsFile, read_prompts
 from specbatch.entrypoints.signals import exit_status, what_happened
 from specbatch.errors import InvalidInputError
+from specbatch.grammar.backend import parse
+from specbatch.prompts_file import LINE_SAMPLING_FIELDS, PromptLine, PromptsFile, read_prompts
 from specbatch.sampling_params import SamplingParams
 
-FIELDS = ("prompts", "output", "resume")  # flag-named fields in this command's messages
 SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + index, unless the line sets one
 SEED_MODULUS = 1 << 63
 
-DESCRIPTION = """\
+_LINE_FIELDS = textwrap.fill(
+    f"the flags: {', '.join(LINE_SAMPLING_FIELDS)}.",
+    92,
+    initial_indent=" " * 10,
+    subsequent_indent=" " * 10,
+)
+DESCRIPTION = f"""\
 Generate a completion for every prompt in FILE and write one JSON line per prompt to OUT, in
 the order requests finish, flushing each line as soon as it is written.
 
 FILE formats (chosen by extension):
   .txt    one prompt per non-blank line, taken literally: escapes such as \\n are NOT
           interpreted, and blank lines are skipped. Use .jsonl for multi-line prompts.
-  .jsonl  one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [1, 2, 3]},
+  .jsonl  one JSON object per line: {{"prompt": "..."}} or {{"prompt_token_ids": [1, 2, 3]}},
           optionally "id" (copied to the output) and per-line sampling fields that override
-          the flags: temperature, top_p, top_k, min_p, max_tokens, min_tokens, n, logprobs,
-          presence_penalty, frequency_penalty, repetition_penalty, seed, stop,
-          stop_token_ids, ignore_eos, structured_outputs (an object, as the flag's JSON).
+{_LINE_FIELDS}
 
 Each output line holds "index" (the prompt's position among FILE's non-blank lines, from 0,
 malformed lines included), "id", "prompt", "text", "token_ids", "finish_reason",
@@ -78,9 +84,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_sampling_flags(p)
     add_engine_flags(
         p,
-        help_overrides={
-            "seed": "base seed: a prompt without its own seed uses seed * 1000003 + its index",
-        },
+        helps={"seed": "base seed: a prompt without its own seed uses seed * 1000003 + its index"},
     )
     p.set_defaults(func=run)
     return p
@@ -95,30 +99,30 @@ def _say(message: str) -> None:
 
 def line_params(base: dict[str, Any], line: PromptLine, seed: int) -> SamplingParams:
     derived = (seed * SEED_STRIDE + line.index) % SEED_MODULUS  # a generator takes < 2**64
-    kwargs = {**base, "seed": derived, **line.overrides}
-    own = kwargs["seed"]
-    if isinstance(own, int) and not isinstance(own, bool) and not 0 <= own < 1 << 64:
-        raise InvalidInputError(f"seed must be in [0, 2**64), got {own}")
-    return SamplingParams(**kwargs)
+    return SamplingParams(**{**base, "seed": derived, **line.overrides})
 
 
 def run(args: argparse.Namespace) -> int:
-    base_params = sampling_kwargs_from(args)
-    check_sampling_flags(args)
+    base_params = values_of(args, SamplingParams)
+    params = SamplingParams(**base_params)  # a bad flag fails before any model loads
+    if params.structured_outputs is not None:  # and so does a grammar that does not parse
+        parse(params.structured_outputs, None)
     try:
         prompts = read_prompts(args.prompts)
     except OSError as e:
         raise InvalidInputError(
-            f"prompts: cannot read '{args.prompts}': {e.strerror or e}"
+            f"prompts: cannot read '{args.prompts}': {e.strerror or e}", "prompts"
         ) from None
     for w in prompts.warnings:
         _say(f"{prompts.where(w.line_no)}: warning: {w.message}")
     if not prompts.prompts and not prompts.errors:
-        raise InvalidInputError(f"prompts: '{args.prompts}' holds no prompts (no non-blank line)")
+        raise InvalidInputError(
+            f"prompts: '{args.prompts}' holds no prompts (no non-blank line)", "prompts"
+        )
     out_path = Path(args.output)
     done = load_finished(out_path, prompts) if args.resume else set()
     with ResultsFile(out_path) as sink:  # fails early if OUT is not writable
-        engine = LLMEngine.from_engine_args(engine_args_from(args))
+        engine = create_engine(engine_args_from(args))
         try:
             if not args.resume:
                 sink.clear()
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     args: argparse.Namespace,
     prompts: PromptsFile,
     base_params: dict[str, Any],
@@ -138,7 +142,8 @@ def _generate(
     if prompts.format == "txt" and engine.tokenizer is None and prompts.prompts:
         raise InvalidInputError(
             f"prompts: '{prompts.path}' holds text prompts but the model has no tokenizer; "
-            'give token ids in a .jsonl file ({"prompt_token_ids": [...]})'
+            'give token ids in a .jsonl file ({"prompt_token_ids": [...]})',
+            "prompts",
         )
     errors = [(e.line_no, e.message) for e in prompts.errors if e.index not in done]
     pending: dict[str, PromptLine] = {}
@@ -166,7 +171,7 @@ def _generate(
 
 
 def _drive(
-    engine: LLMEngine,
+    engine: LLMEngine | DataParallelEngine,
     args: argparse.Namespace,
     pending: dict[str, PromptLine],
     done: set[int],
@@ -175,7 +180,7 @@ def _drive(
 ) -> int:
     from tqdm import tqdm
 
-    speculative = engine.config.speculative
+    speculative = engine.config.speculative_config.speculative
     has_tok = engine.tokenizer is not None
     start, tokens, finished = time.perf_counter(), 0, 0
     with tqdm(
@@ -216,7 +221,8 @@ def _drive(
         )
     if speculative and spec.get("drafting_share") is not None:
         summary += f"; drafts in {100 * spec['drafting_share']:.0f}% of decoding steps"
-        gain = getattr(engine.scheduler.policy, "estimated_speedup", None)
+        state = engine.state() if isinstance(engine, DataParallelEngine) else EngineState.of(engine)
+        gain = state.estimated_speedup
         if gain is not None:
             summary += f" (estimated {gain:.2f}x the tokens/s of no drafts)"
     _say(summary)

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specbatch.entrypoints.prompts_file import PromptLine, PromptsFile
 from specbatch.errors import InvalidInputError
 from specbatch.outputs import CompletionOutput, RequestOutput
+from specbatch.prompts_file import PromptLine, PromptsFile
 
 
 class ResultsFile:
@@ -25,7 +25,7 @@ class ResultsFile:
 
     def _error(self, e: OSError) -> InvalidInputError:
         self._failed = True
-        return InvalidInputError(f"output: cannot write '{self.path}': {e.strerror or e}")
+        return InvalidInputError(f"output: cannot write '{self.path}': {e.strerror or e}", "output")
 
     def clear(self) -> None:
         """Empty the file (a run without --resume)."""
@@ -88,18 +88,21 @@ def load_finished(out: Path, prompts: PromptsFile) -> set[int]:
                     break
                 raise InvalidInputError(
                     f"resume: {out}:{n} is not a result line written by specbatch generate; "
-                    "refusing to append to it"
+                    "refusing to append to it",
+                    "resume",
                 ) from None
             line = by_index.get(index)
             if line is None and not any(e.index == index for e in prompts.errors):
                 raise InvalidInputError(
                     f"resume: {out}:{n} has index {index}, but {prompts.path} has no prompt "
-                    "there; was OUT written from another prompts file?"
+                    "there; was OUT written from another prompts file?",
+                    "resume",
                 )
             if line is not None and not _same_prompt(record, line):
                 raise InvalidInputError(
                     f"resume: {out}:{n} holds another prompt than {prompts.where(line.line_no)} "
-                    f"(index {index}); was OUT written from another prompts file?"
+                    f"(index {index}); was OUT written from another prompts file?",
+                    "resume",
                 )
             done.add(index)
         offset = end

@@ -1,20 +1,16 @@
 """The OpenAI API's request bodies as pydantic models, and its error shape.
 
-The sampling fields are ``SamplingParams``' own (names, types, defaults), and their limits are
-``SamplingParams``' checks, run on each field as it is parsed so that an error names the field
-as the client wrote it. Types are strict (``"5"`` is not an integer). Unknown fields are
-accepted (the server logs each name once); fields this server does not implement are accepted
-only at their neutral values.
+The sampling fields are ``SamplingParams``' own options (names, types, defaults, limits stated
+in the schema); their values are checked once, where they become ``SamplingParams``, and an
+error names the field as the client wrote it. Types are strict (``"5"`` is not an integer).
+Unknown fields are accepted (the server logs each name once); fields this server does not
+implement are accepted only at their neutral values.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
-import operator
 import re
-import typing
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
@@ -28,6 +24,7 @@ from pydantic import (
     WrapValidator,
     create_model,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from specbatch.chat import ROLES
@@ -37,11 +34,11 @@ from specbatch.entrypoints.openai_structured import (
     structured_field,
 )
 from specbatch.errors import InvalidInputError
+from specbatch.options import Option, options_of
 from specbatch.sampling_params import SamplingParams
 from specbatch.structured_outputs import FIELD
 
 DEFAULT_MODEL_NAME = "specbatch-default"
-_SAMPLING_ERROR = "sampling_value"  # an error whose message already names the field
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -81,8 +78,6 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         return bad_request(
             "the request body must be a JSON object (content-type: application/json)"
         )
-    if err["type"] == _SAMPLING_ERROR:
-        return bad_request(err["msg"], str(loc[0]))
     path = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
     got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
     return bad_request(f"{path}: {err['msg']}{got}", str(loc[0]))
@@ -123,55 +118,29 @@ def _one_of(expected: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
-_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers")}
+def _wire(opt: Option) -> Any:
+    """A sampling option's type as the request takes it: text checked, a string or a list of
+    strings with one clear message."""
+    one = Text if opt.type is str else opt.type
+    if opt.many and opt.type is str:
+        return Annotated[one | list[one], _one_of(opt.expected())]
+    return list[one] if opt.many else one
 
 
-def _name(t: Any) -> str:
-    if typing.get_origin(t) is list:
-        return f"a list of {_NAMES[typing.get_args(t)[0]][1]}"
-    return _NAMES[t][0]
+_LIMITS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+_OPTIONS: dict[str, tuple[Option, Any]] = {n: (o, d) for n, o, d in options_of(SamplingParams)}
 
 
-def _wire(hint: Any) -> Any:
-    """A ``SamplingParams`` field's type as the request takes it: text checked, unions with
-    one clear message."""
-    if hint is str:
-        return Text
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is list:
-        return list[_wire(args[0])]
-    members = [a for a in args if a is not type(None)]
-    if len(members) < 2:
-        return _wire(members[0]) | None if members else hint
-    wired = functools.reduce(operator.or_, (_wire(m) for m in members))
-    return Annotated[wired, _one_of(" or ".join(_name(m) for m in members))] | None
-
-
-def _checked(name: str, wire: str | None = None) -> AfterValidator:
-    """``SamplingParams``' own check of field ``name`` alone (read from JSON key ``wire``)."""
-
-    def check(value: Any) -> Any:
-        if value is None:
-            return value
-        try:
-            SamplingParams(**{"max_tokens": None, name: value})
-        except InvalidInputError as e:
-            message = str(e)
-            if wire and message.startswith(name):
-                message = wire + message[len(name) :]
-            raise PydanticCustomError(_SAMPLING_ERROR, "{message}", {"message": message}) from None
-        return value
-
-    return AfterValidator(check)
+def _schema(name: str, default: Any = None) -> FieldInfo:
+    """Sampling option ``name``'s help and limits, as the request schema states them."""
+    opt = _OPTIONS[name][0]
+    limits = {key: getattr(opt, bound) for bound, key in _LIMITS.items()}
+    extra = {k: v for k, v in limits.items() if v is not None}
+    return Field(default, description=opt.help, json_schema_extra=extra or None)  # type: ignore[arg-type]
 
 
 def _sampling_fields() -> dict[str, Any]:
-    hints = typing.get_type_hints(SamplingParams)
-    return {
-        f.name: (Annotated[_wire(hints[f.name]) | None, _checked(f.name)], f.default)
-        for f in dataclasses.fields(SamplingParams)
-        if f.init and f.name != "structured_outputs"  # openai_structured.py reads it
-    }
+    return {n: (_wire(o) | None, _schema(n, d)) for n, (o, d) in _OPTIONS.items()}
 
 
 _SAMPLING = _sampling_fields()
@@ -222,7 +191,6 @@ class _Request(BaseModel):
     user: str | None = None
     logit_bias: LogitBias = None
     response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's
 
     def sampling_values(self) -> dict[str, Any]:
         """The sampling fields the client gave (null means the default)."""
@@ -267,12 +235,10 @@ class ChatRequest(_Sampling):  # type: ignore[misc, valid-type]
     alternatives; ``max_tokens`` or ``max_completion_tokens`` (default: up to the context)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[int | None, _checked("max_tokens")] = None
-    max_completion_tokens: Annotated[
-        int | None, _checked("max_tokens", "max_completion_tokens")
-    ] = None
+    max_tokens: int | None = _schema("max_tokens")
+    max_completion_tokens: int | None = _schema("max_tokens")
     logprobs: bool | None = False
-    top_logprobs: Annotated[int | None, _checked("logprobs", "top_logprobs")] = None
+    top_logprobs: int | None = _schema("logprobs")
     tools: NoTools = None
     tool_choice: ToolChoice = None
     functions: NoTools = None
@@ -305,25 +271,24 @@ def check_context_room(
 
 
 def sampling_params(
-    values: dict[str, Any], body: _Request | None = None
+    values: dict[str, Any], wire: dict[str, str] | None = None, body: _Request | None = None
 ) -> tuple[SamplingParams, StructuredField | None]:
-    """``SamplingParams`` of fields each already checked alone, with the body's structured
-    output: what fails here is a relation between fields, named by the field its message
-    starts with."""
+    """``SamplingParams`` of the request's values, with the body's structured output (its
+    ``response_format`` or ``structured_outputs``); an error names the field as the client
+    wrote it (``wire``: the JSON key of a field that came under another name)."""
     structured = None
     if body is not None:
         try:
-            structured = structured_field(body.response_format, body.structured_outputs)
+            structured = structured_field(body.response_format, values.get(FIELD))
         except InvalidInputError as e:
-            param = "response_format" if str(e).startswith("response_format") else FIELD
-            raise bad_request(str(e), param) from None
+            raise bad_request(str(e), e.field) from None
         if structured is not None:
             values = {**values, FIELD: structured.params}
     try:
         return SamplingParams(**values), structured
     except InvalidInputError as e:
-        param = next((k for k in values if str(e).startswith((f"{k} ", f"{k}:"))), None)
-        raise bad_request(str(e), param) from None
+        key = (wire or {}).get(e.field or "", e.field)
+        raise bad_request(e.named(key) if key else str(e), key) from None
 
 
 def one_prompt(prompt: Any) -> str | list[int]:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specbatch.chat import check_messages, render_chat
 from specbatch.config import EngineArgs
 from specbatch.detokenizer import token_texts
+from specbatch.engine.async_data_parallel import create_async_engine
 from specbatch.engine.async_engine import (
     DEFAULT_MAX_QUEUE_LEN,
     AsyncLLMEngine,
@@ -120,10 +121,12 @@ class OpenAIServer:
         requested: tuple[str, int] | None,
         structured: StructuredField | None = None,
         add_special_tokens: bool = True,
+        stream: bool = True,
     ) -> tuple[RequestStream, list[int]]:
         """Check the request against the model (its grammar parsed), tokenize (both off the
         event loop), check the room left for the output, and queue: the request's stream and
-        its prompt's token ids."""
+        its prompt's token ids. ``stream``: the reply is streamed (else only the last output is
+        needed)."""
         e = self.engine.engine
         if params.stop_strings and e.tokenizer is None:
             raise bad_request("stop: stop strings need a tokenizer, and the model has none", "stop")
@@ -139,7 +142,7 @@ class OpenAIServer:
             raise bad_request(str(err), field) from None
         check_context_room(len(ids), requested, e.config.max_model_len)
         try:
-            return await self.engine.add_prepared(text, ids, params), ids
+            return await self.engine.add_prepared(text, ids, params, stream=stream), ids
         except QueueFullError as err:
             raise ApiError(503, str(err), "server_overloaded") from None
         except EngineError as err:
@@ -155,10 +158,15 @@ class OpenAIServer:
         values = body.sampling_values()
         if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
             values["prompt_logprobs"] = body.logprobs
-        params, structured = sampling_params(values, body)
+        params, structured = sampling_params(values, None, body)
         requested = requested_max_tokens(body, ("max_tokens",))
         stream, prompt_ids = await self.start(
-            one_prompt(body.prompt), params, "prompt", requested, structured
+            one_prompt(body.prompt),
+            params,
+            "prompt",
+            requested,
+            structured,
+            stream=bool(body.stream),
         )
         reply = ReplyIds(
             f"cmpl-{uuid.uuid4().hex}", int(time.time()), "text_completion", self.model_name
@@ -205,7 +213,8 @@ class OpenAIServer:
         requested = requested_max_tokens(body, ("max_tokens", "max_completion_tokens"))
         values = body.sampling_values()
         values.update(logprobs=top, max_tokens=requested[1] if requested else None)
-        params, structured = sampling_params(values, body)
+        wire = {"logprobs": "top_logprobs", "max_tokens": requested[0] if requested else ""}
+        params, structured = sampling_params(values, wire, body)
         try:
             messages = check_messages([m.model_dump() for m in body.messages])
             text = await self.engine.run_on_tokenizer_threads(
@@ -214,7 +223,13 @@ class OpenAIServer:
         except InvalidInputError as e:
             raise bad_request(str(e), "messages") from None
         stream, _ = await self.start(
-            text, params, "messages", requested, structured, add_special_tokens=False
+            text,
+            params,
+            "messages",
+            requested,
+            structured,
+            add_special_tokens=False,
+            stream=bool(body.stream),
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         ids = ReplyIds(rid, created, "chat.completion.chunk", self.model_name)
@@ -296,9 +311,15 @@ class OpenAIServer:
         }
 
     def health(self) -> JSONResponse:
-        if self.engine.is_healthy:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": str(self.engine.error)}, 503)
+        """200 ok; with data-parallel replicas, each one's status, and 200 "degraded" while
+        some serve; 503 when nothing can serve."""
+        replicas = self.engine.replica_health()
+        extra = {"replicas": replicas} if replicas is not None else {}
+        if not self.engine.is_healthy:
+            body = {"status": "unhealthy", "error": str(self.engine.error), **extra}
+            return JSONResponse(body, 503)
+        down = replicas is not None and any(r["status"] != "ok" for r in replicas)
+        return JSONResponse({"status": "degraded" if down else "ok", **extra})
 
     def metrics_page(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -315,7 +336,7 @@ def build_app(
     unless ``engine`` is given; the engine's loop starts with the first request.
     ``app.state.server`` is the ``OpenAIServer`` and ``app.state.engine`` the ``AsyncLLMEngine``."""
     if engine is None:
-        engine = AsyncLLMEngine.from_engine_args(engine_args or EngineArgs(), max_queue_len)
+        engine = create_async_engine(engine_args or EngineArgs(), max_queue_len)
     name = served_model_name or (engine_args.model if engine_args and engine_args.model else None)
     server = OpenAIServer(engine, name or DEFAULT_MODEL_NAME, api_key)
 

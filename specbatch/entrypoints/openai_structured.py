@@ -51,7 +51,8 @@ def structured_field(
         fmt = None
     if fmt is not None and structured_outputs is not None:
         raise InvalidInputError(
-            "response_format: give response_format or structured_outputs, not both"
+            "response_format: give response_format or structured_outputs, not both",
+            "response_format",
         )
     if structured_outputs is not None:
         spec = StructuredOutputsParams.of(structured_outputs)
@@ -62,12 +63,17 @@ def structured_field(
         return StructuredField(StructuredOutputsParams(json_object=True), "response_format",
                                "response_format")  # fmt: skip
     if fmt.json_schema is None:
-        raise InvalidInputError('response_format.json_schema: required when type is "json_schema"')
+        raise InvalidInputError(
+            'response_format.json_schema: required when type is "json_schema"', "response_format"
+        )
     if fmt.json_schema.json_schema is None:
-        raise InvalidInputError("response_format.json_schema.schema: required (a JSON schema)")
+        raise InvalidInputError(
+            "response_format.json_schema.schema: required (a JSON schema)", "response_format"
+        )
     spelt = "response_format.json_schema.schema"
     try:
         spec = StructuredOutputsParams(json=fmt.json_schema.json_schema)
     except InvalidInputError as e:
-        raise InvalidInputError(spelt + str(e)[len(f"{FIELD}.json") :]) from None
+        message = spelt + str(e)[len(f"{FIELD}.json") :]
+        raise InvalidInputError(message, "response_format") from None
     return StructuredField(spec, "response_format", spelt)

@@ -4,15 +4,38 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from specbatch.engine.async_engine import DEFAULT_MAX_QUEUE_LEN
-from specbatch.entrypoints.engine_flags import add_engine_flags, engine_args_from
+from specbatch.entrypoints.flags import add_engine_flags, add_options, engine_args_from, values_of
 from specbatch.errors import InvalidInputError
+from specbatch.options import check_options, option
 
-FIELDS = ("host", "port", "api_key", "max_queue_len", "served_model_name", "shutdown_timeout")
-DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+@dataclass
+class ServerOptions:
+    # fmt: off
+    host: str = option("127.0.0.1", "address to bind", metavar="HOST")
+    port: int = option(8000, "port", ge=0, le=65535, metavar="PORT")
+    api_key: str | None = option(None, "require this bearer token on /v1/* (default: "
+        "$SPECBATCH_API_KEY, else none)", type=str, metavar="KEY")
+    max_queue_len: int = option(DEFAULT_MAX_QUEUE_LEN, "most requests waiting beyond the "
+        "running batch; more get 503", ge=0)
+    served_model_name: str | None = option(None, "the model name clients send (default: the "
+        "--model argument, else specbatch-default)", type=str, metavar="NAME")
+    shutdown_timeout: float = option(10.0, "on SIGTERM, how long requests in flight may run "
+        "before they are aborted", ge=0, metavar="SECONDS")
+    log_level: str = option("info", "uvicorn log level",
+        choices=("critical", "error", "warning", "info", "debug"))
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        check_options(ServerOptions, self)
+        if self.api_key is not None and not self.api_key.strip():
+            raise InvalidInputError("api_key must not be empty", "api_key")
+
 
 DESCRIPTION = """\
 Serve the model over HTTP with the OpenAI API:
@@ -37,68 +60,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("server options")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("SPECBATCH_API_KEY"),
-        metavar="KEY",
-        help="require this bearer token on /v1/* (default: $SPECBATCH_API_KEY, else none)",
-    )
-    g.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=DEFAULT_MAX_QUEUE_LEN,
-        metavar="N",
-        help="most requests waiting beyond the running batch; more get 503 "
-        f"(default: {DEFAULT_MAX_QUEUE_LEN})",
-    )
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help="the model name clients send (default: the --model argument, else specbatch-default)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT,
-        metavar="SECONDS",
-        help="on SIGTERM, how long requests in flight may run before they are aborted "
-        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
-    )
-    g.add_argument(
-        "--log-level",
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="uvicorn log level (default: info)",
-    )
+    env_key = os.environ.get("SPECBATCH_API_KEY")
+    add_options(p, ServerOptions, "server options", defaults={"api_key": env_key})
     add_engine_flags(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.port < 65536:
-        raise InvalidInputError(f"port must be in [0, 65535], got {args.port}")
-    if args.max_queue_len < 0:
-        raise InvalidInputError(f"max_queue_len must be >= 0, got {args.max_queue_len}")
-    if not 0 <= args.shutdown_timeout < float("inf"):
-        raise InvalidInputError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise InvalidInputError("api_key must not be empty")
+    opts = ServerOptions(**values_of(args, ServerOptions))
     import uvicorn
 
     from specbatch.entrypoints.openai_server import build_app
 
     app = build_app(
         engine_args_from(args),
-        api_key=args.api_key,
-        max_queue_len=args.max_queue_len,
-        served_model_name=args.served_model_name,
+        api_key=opts.api_key,
+        max_queue_len=opts.max_queue_len,
+        served_model_name=opts.served_model_name,
     )
-    timeout = args.shutdown_timeout
+    timeout = opts.shutdown_timeout
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -107,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        host=opts.host,
+        port=opts.port,
+        log_level=opts.log_level,
         timeout_graceful_shutdown=timeout + 5,  # the aborted requests' answers go out first
     )
     Server(config).run()

@@ -21,7 +21,7 @@ def xgrammar() -> Any:
         import xgrammar as xgr
     except ImportError:
         raise InvalidInputError(
-            f"{FIELD}: structured outputs need the xgrammar package ({INSTALL_HINT})"
+            f"{FIELD}: structured outputs need the xgrammar package ({INSTALL_HINT})", FIELD
         ) from None
     return xgr
 
@@ -31,10 +31,10 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[in
     ``stop_token_ids`` (the model's EOS)."""
     xgr = xgrammar()
     if tokenizer is None:
-        raise InvalidInputError(f"{FIELD}: structured outputs need the model's tokenizer")
+        raise InvalidInputError(f"{FIELD}: structured outputs need the model's tokenizer", FIELD)
     if not stop_token_ids:
         raise InvalidInputError(
-            f"{FIELD}: the model has no EOS token, so a structured output could not end"
+            f"{FIELD}: the model has no EOS token, so a structured output could not end", FIELD
         )
     return xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
@@ -79,7 +79,7 @@ def parse(spec: StructuredOutputsParams, info: Any) -> Any:
         return xgr.Grammar.from_lark(spec.grammar, tokenizer_info=info)
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
-        raise InvalidInputError(f"{FIELD}.{kind}: invalid {what}: {_message(e)}") from None
+        raise InvalidInputError(f"{FIELD}.{kind}: invalid {what}: {_message(e)}", FIELD) from None
 
 
 def _literal(text: str) -> str:

@@ -48,14 +48,14 @@ def checkpoint_files(path: str | Path) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise InvalidInputError(
-                f"model: '{index}' is not a safetensors index (a JSON object with a "
+                f"'{index}' is not a safetensors index (a JSON object with a "
                 "'weight_map' of tensor names to file names)"
             ) from None
         files = [p / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise InvalidInputError(
-                f"model: '{index}' lists files that are not there: {', '.join(missing)}"
+                f"'{index}' lists files that are not there: {', '.join(missing)}"
             )
         return files
     if (p / "model.safetensors").is_file():
@@ -64,7 +64,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     files = [f for f in sorted(p.glob("*.safetensors")) if not f.name.startswith("consolidated")]
     if not files:
         raise InvalidInputError(
-            f"model: no *.safetensors weights in '{path}' (only safetensors checkpoints are "
+            f"no *.safetensors weights in '{path}' (only safetensors checkpoints are "
             "supported; convert .bin/.pt weights with transformers' save_pretrained)"
         )
     return files
@@ -86,15 +86,14 @@ def check_safetensors_file(file: Path) -> None:
             ok_len = header_len is not None and header_len <= min(MAX_HEADER_BYTES, size - 8)
             raw = f.read(header_len) if ok_len and header_len is not None else b""
     except OSError as e:
-        raise InvalidInputError(f"model: cannot read '{file}': {e.strerror or e}") from None
+        raise InvalidInputError(f"cannot read '{file}': {e.strerror or e}") from None
     if header_len is None:
         raise InvalidInputError(
-            f"model: '{file}' has {size} bytes, fewer than the 8 of a safetensors header "
-            f"length {_HINT}"
+            f"'{file}' has {size} bytes, fewer than the 8 of a safetensors header length {_HINT}"
         )
     if not ok_len:
         raise InvalidInputError(
-            f"model: '{file}' is not a whole safetensors file: its header length says "
+            f"'{file}' is not a whole safetensors file: its header length says "
             f"{header_len} bytes but only {max(size - 8, 0)} follow {_HINT}"
         )
     try:
@@ -103,13 +102,13 @@ def check_safetensors_file(file: Path) -> None:
         header = None
     if not isinstance(header, dict):
         raise InvalidInputError(
-            f"model: '{file}' has a safetensors header that is not a JSON object {_HINT}"
+            f"'{file}' has a safetensors header that is not a JSON object {_HINT}"
         )
     data_bytes = size - 8 - header_len
     need = max((_tensor_end(file, name, entry) for name, entry in _tensors(header)), default=0)
     if need > data_bytes:
         raise InvalidInputError(
-            f"model: '{file}' is cut short: its tensors need {8 + header_len + need} bytes "
+            f"'{file}' is cut short: its tensors need {8 + header_len + need} bytes "
             f"but the file has {size} (copy or export it again)"
         )
 
@@ -132,13 +131,12 @@ def _tensor_end(file: Path, name: str, entry: Any) -> int:
     )
     if not ok:
         raise InvalidInputError(
-            f"model: '{file}': tensor '{name}' has no valid shape and data_offsets in the "
-            f"header {_HINT}"
+            f"'{file}': tensor '{name}' has no valid shape and data_offsets in the header {_HINT}"
         )
     itemsize = DTYPE_BYTES.get(entry.get("dtype"))
     if itemsize is not None and math.prod(shape) * itemsize != offsets[1] - offsets[0]:
         raise InvalidInputError(
-            f"model: '{file}': tensor '{name}' of shape {shape} and dtype {entry['dtype']} "
+            f"'{file}': tensor '{name}' of shape {shape} and dtype {entry['dtype']} "
             f"needs {math.prod(shape) * itemsize} bytes, its header gives it "
             f"{offsets[1] - offsets[0]} {_HINT}"
         )

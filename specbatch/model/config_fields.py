@@ -33,15 +33,15 @@ def read_config_json(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise InvalidInputError(f"model: '{path}' is not UTF-8 text") from None
+        raise InvalidInputError(f"'{path}' is not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise InvalidInputError(
-            f"model: '{path}' is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+            f"'{path}' is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
         ) from None
     except OSError as e:
-        raise InvalidInputError(f"model: cannot read '{path}': {e.strerror or e}") from None
+        raise InvalidInputError(f"cannot read '{path}': {e.strerror or e}") from None
     if not isinstance(raw, dict):
-        raise InvalidInputError(f"model: '{path}' must hold a JSON object")
+        raise InvalidInputError(f"'{path}' must hold a JSON object")
     return raw
 
 
@@ -58,35 +58,29 @@ def check_config_fields(raw: dict[str, Any], path: Path) -> None:
     name = f"'{path}':"
     for field in REQUIRED_INTS:
         if raw.get(field) is None:
-            raise InvalidInputError(f"model: '{path}' has no '{field}' (required: an integer >= 1)")
+            raise InvalidInputError(f"'{path}' has no '{field}' (required: an integer >= 1)")
     for field in (*REQUIRED_INTS, *OPTIONAL_INTS):
         v = raw.get(field)
         if v is not None and not (_is_int(v) and v >= 1):
-            raise InvalidInputError(
-                f"model: {name} '{field}' must be an integer >= 1, got {_shown(v)}"
-            )
+            raise InvalidInputError(f"{name} '{field}' must be an integer >= 1, got {_shown(v)}")
     for field in OPTIONAL_POSITIVE_NUMBERS:
         v = raw.get(field)
         if v is not None and not (
             isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
         ):
-            raise InvalidInputError(
-                f"model: {name} '{field}' must be a positive number, got {_shown(v)}"
-            )
+            raise InvalidInputError(f"{name} '{field}' must be a positive number, got {_shown(v)}")
     for field in OPTIONAL_BOOLS:
         v = raw.get(field)
         if v is not None and not isinstance(v, bool):
-            raise InvalidInputError(
-                f"model: {name} '{field}' must be true or false, got {_shown(v)}"
-            )
+            raise InvalidInputError(f"{name} '{field}' must be true or false, got {_shown(v)}")
     heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads") or None
     if kv_heads is not None and heads % kv_heads:
         raise InvalidInputError(
-            f"model: {name} num_attention_heads={heads} is not a multiple of "
+            f"{name} num_attention_heads={heads} is not a multiple of "
             f"num_key_value_heads={kv_heads}"
         )
     if raw.get("head_dim") is None and raw["hidden_size"] % heads:
         raise InvalidInputError(
-            f"model: {name} hidden_size={raw['hidden_size']} is not a multiple of "
+            f"{name} hidden_size={raw['hidden_size']} is not a multiple of "
             f"num_attention_heads={heads} (and no head_dim is given)"
         )

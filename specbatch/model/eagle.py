@@ -29,6 +29,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
+from specbatch.model.checkpoint import ModelConfig, at, load_hf_config
 from specbatch.model.cpu_forward import Eagle3HeadPlan
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -70,7 +71,8 @@ def detect_layout(path: str | Path) -> str:
     if "fc.weight" not in shapes or "self_attn.q_proj.weight" not in shapes:
         raise InvalidInputError(
             f"speculative_config.model: '{path}' is not an EAGLE head (no fc.weight and "
-            "layers.0 / midlayer attention)"
+            "layers.0 / midlayer attention)",
+            "speculative_config.model",
         )
     fc_in = shapes["fc.weight"][1]
     hidden = shapes["fc.weight"][0]
@@ -79,9 +81,36 @@ def detect_layout(path: str | Path) -> str:
     if fc_in != 2 * hidden:
         raise InvalidInputError(
             f"speculative_config.model: '{path}': fc.weight is {shapes['fc.weight']}, expected "
-            f"[{hidden}, {2 * hidden}] for an EAGLE head"
+            f"[{hidden}, {2 * hidden}] for an EAGLE head",
+            "speculative_config.model",
         )
     return "eagle"
+
+
+def read_eagle_head(path: str, method: str | None, target: ModelConfig) -> ModelConfig:
+    """An EAGLE head's checkpoint, checked against the method asked for (None: either) and the
+    target it drafts for; it runs in the target's dtype."""
+    name = "speculative_config.model"
+    try:
+        hf_config = load_hf_config(path, architecture=False)
+    except InvalidInputError as e:
+        raise at(name, e) from None
+    layout = detect_layout(path)
+    if method is not None and method != layout:
+        raise InvalidInputError(
+            f"speculative_config.method: '{path}' holds an {layout.upper()} head; use method "
+            f"'{layout}'",
+            "speculative_config.method",
+        )
+    vocab = int(getattr(hf_config, "vocab_size", target.vocab_size))
+    if vocab != target.vocab_size:
+        raise InvalidInputError(
+            f"{name}: vocab_size {vocab} differs from the target's {target.vocab_size}", name
+        )
+    return ModelConfig(
+        str(path), hf_config, None, name, layout=layout, dtype_name=target.dtype_name,
+        device=target.device, dtype_of=target.hf_config,
+    )  # fmt: skip
 
 
 def feature_layers(hf_config: Any, target_layers: int) -> tuple[int, ...]:
@@ -271,28 +300,35 @@ _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": (
 
 
 def load_eagle_head(
-    path: str | Path,
+    head: ModelConfig | str | Path,
     target: TargetParts,
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> EagleHead:
-    """An EAGLE head from a checkpoint directory (config.json + safetensors), either layout."""
-    from specbatch.model.loader import load_hf_config
-
-    path = Path(path)
-    hf_config = load_hf_config(path, architecture=False)
-    layout = detect_layout(path)
+    """An EAGLE head, either layout, from its checkpoint as ``read_eagle_head`` read it (or its
+    directory: config.json + safetensors)."""
+    if isinstance(head, ModelConfig):
+        path, hf_config, layout = Path(head.path), head.hf_config, head.layout
+    else:
+        path = Path(head)
+        try:
+            hf_config = load_hf_config(path, architecture=False)
+        except InvalidInputError as e:
+            raise at("speculative_config.model", e) from None
+        layout = detect_layout(path)
     shapes = _tensor_shapes(path)
     if int(hf_config.hidden_size) != shapes["fc.weight"][0]:
         raise InvalidInputError(
             f"speculative_config.model: config hidden_size {hf_config.hidden_size} does not "
-            f"match fc.weight {shapes['fc.weight']}"
+            f"match fc.weight {shapes['fc.weight']}",
+            "speculative_config.model",
         )
     if layout == "eagle" and int(hf_config.hidden_size) != target.hidden_size:
         raise InvalidInputError(
             f"speculative_config.model: an EAGLE head of hidden_size {hf_config.hidden_size} "
-            f"cannot read a target of hidden_size {target.hidden_size}"
+            f"cannot read a target of hidden_size {target.hidden_size}",
+            "speculative_config.model",
         )
     head = EagleHead(
         hf_config,
@@ -328,7 +364,7 @@ def load_eagle_head(
                     get_weight_loader(param)(param, f.get_slice(raw), shard)
                 except InvalidInputError as e:
                     raise InvalidInputError(
-                        f"speculative_config.model: weight '{raw}' {e}"
+                        f"speculative_config.model: weight '{raw}' {e}", "speculative_config.model"
                     ) from None
                 loaded.add(name)
     if layout == "eagle3":
@@ -336,6 +372,7 @@ def load_eagle_head(
     missing = sorted(set(params) - loaded)
     if missing:
         raise InvalidInputError(
-            f"speculative_config.model: the EAGLE head at '{path}' lacks {', '.join(missing)}"
+            f"speculative_config.model: the EAGLE head at '{path}' lacks {', '.join(missing)}",
+            "speculative_config.model",
         )
     return head.eval()

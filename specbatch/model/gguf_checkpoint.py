@@ -12,7 +12,6 @@ imported only when a GGUF file is given.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ def find_gguf_file(path: str | Path) -> Path | None:
     if len(files) > 1:
         names = ", ".join(f.name for f in files[:5]) + (" ..." if len(files) > 5 else "")
         raise InvalidInputError(
-            f"model: '{path}' holds {len(files)} GGUF files ({names}); pass the file to load"
+            f"'{path}' holds {len(files)} GGUF files ({names}); pass the file to load"
         )
     return files[0].resolve() if files else None
 
@@ -54,7 +53,7 @@ def import_gguf(file: Path) -> Any:
         import gguf
     except ImportError:
         raise InvalidInputError(
-            f"model: '{file}' is a GGUF file; reading one needs the gguf package: {EXTRA}"
+            f"'{file}' is a GGUF file; reading one needs the gguf package: {EXTRA}"
         ) from None
     return gguf
 
@@ -74,7 +73,7 @@ def _open_gguf(file: str, size: int, mtime_ns: int) -> GGUFFile:
     parts = reader.fields.get("split.count")
     if isinstance(parts, int) and parts > 1:
         raise InvalidInputError(
-            f"model: '{file}' is part of a GGUF split into {parts} files (split.count); merge "
+            f"'{file}' is part of a GGUF split into {parts} files (split.count); merge "
             "them into one file first (llama.cpp's gguf-split --merge)"
         )
     return reader
@@ -82,33 +81,6 @@ def _open_gguf(file: str, size: int, mtime_ns: int) -> GGUFFile:
 
 def has_tokenizer(reader: GGUFFile) -> bool:
     return "tokenizer.ggml.model" in reader.fields and "tokenizer.ggml.tokens" in reader.fields
-
-
-def gguf_model(path: str | Path) -> tuple[str, Any, str | None] | None:
-    """``(file, config, tokenizer)`` of the GGUF checkpoint at ``path``: the file's absolute
-    path, its transformers config and the tokenizer to load (the file itself, or None when it
-    has none). None when ``path`` is not a GGUF checkpoint."""
-    file = find_gguf_file(path)
-    if file is None:
-        return None
-    from specbatch.model.gguf_config import gguf_hf_config
-    from specbatch.model.gguf_tensors import check_tensor_types
-
-    reader = open_gguf(file)
-    check_tensor_types(reader)
-    tokenizer = str(file) if has_tokenizer(reader) else None
-    return str(file), gguf_hf_config(reader, file), tokenizer
-
-
-def gguf_weights(file: Path) -> tuple[Any, Iterator[tuple[str, Any]]]:
-    """The config and the weights, by Hugging Face name, each dequantized when first read."""
-    from specbatch.model.gguf_config import gguf_hf_config
-    from specbatch.model.gguf_tensors import check_tensor_types, named_tensors
-
-    reader = open_gguf(file)
-    check_tensor_types(reader)
-    hf_config = gguf_hf_config(reader, file)
-    return hf_config, named_tensors(reader, hf_config)
 
 
 def is_gguf_tokenizer(path: str) -> bool:
@@ -124,11 +96,14 @@ def load_gguf_tokenizer(path: str) -> Any:
     if not has_tokenizer(open_gguf(file)):
         raise InvalidInputError(
             f"tokenizer: '{path}' holds no tokenizer (no tokenizer.ggml.model and "
-            "tokenizer.ggml.tokens metadata); pass --tokenizer"
+            "tokenizer.ggml.tokens metadata); pass --tokenizer",
+            "tokenizer",
         )
     from transformers import PreTrainedTokenizerFast
 
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:  # transformers raises many kinds; the user needs the file and cause
-        raise InvalidInputError(f"tokenizer: cannot build the tokenizer of '{path}': {e}") from None
+        raise InvalidInputError(
+            f"tokenizer: cannot build the tokenizer of '{path}': {e}", "tokenizer"
+        ) from None

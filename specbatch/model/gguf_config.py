@@ -32,7 +32,7 @@ class _Metadata:
 
     def _fail(self, key: str, what: str, value: Any) -> InvalidInputError:
         shown = "it is absent" if value is None else f"got {str(value)[:60]!r}"
-        return InvalidInputError(f"model: '{self.file}': metadata '{key}' must be {what}; {shown}")
+        return InvalidInputError(f"'{self.file}': metadata '{key}' must be {what}; {shown}")
 
     def int(self, name: str, required: bool = True, minimum: int = 1) -> int | None:
         key = f"{self.arch}.{name}"
@@ -65,15 +65,14 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
     arch = reader.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise InvalidInputError(
-            f"model: '{file}': general.architecture {arch!r} is not supported; supported: "
+            f"'{file}': general.architecture {arch!r} is not supported; supported: "
             + ", ".join(ARCHITECTURES)
         )
     m = _Metadata(reader, file, arch)
     experts = m.int("expert_count", required=False, minimum=0)
     if experts:
         raise InvalidInputError(
-            f"model: '{file}': {arch}.expert_count={experts}: mixture-of-experts models are not "
-            "supported"
+            f"'{file}': {arch}.expert_count={experts}: mixture-of-experts models are not supported"
         )
     hidden = m.int("embedding_length")
     heads = m.int("attention.head_count")
@@ -81,14 +80,14 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
     assert hidden is not None and heads is not None
     if heads % kv_heads:
         raise InvalidInputError(
-            f"model: '{file}': {arch}.attention.head_count={heads} is not a multiple of "
+            f"'{file}': {arch}.attention.head_count={heads} is not a multiple of "
             f"{arch}.attention.head_count_kv={kv_heads}"
         )
     head_dim = m.int("attention.key_length", required=False)
     if head_dim is None:
         if hidden % heads:
             raise InvalidInputError(
-                f"model: '{file}': {arch}.embedding_length={hidden} is not a multiple of "
+                f"'{file}': {arch}.embedding_length={hidden} is not a multiple of "
                 f"{arch}.attention.head_count={heads} (and no {arch}.attention.key_length)"
             )
         head_dim = hidden // heads
@@ -96,7 +95,7 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
         v = m.int(name, required=False)
         if v is not None and v != head_dim:
             raise InvalidInputError(
-                f"model: '{file}': {arch}.{name}={v} differs from the head size {head_dim}; "
+                f"'{file}': {arch}.{name}={v} differs from the head size {head_dim}; "
                 "only full rotary with equal key and value sizes is supported"
             )
     names = {t.name for t in reader.tensors}
@@ -131,9 +130,7 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
     try:
         return getattr(transformers, ARCHITECTURES[arch][0])(**kwargs)
     except Exception as e:  # transformers validates some fields itself
-        raise InvalidInputError(
-            f"model: '{file}': its metadata make no valid config: {e}"
-        ) from None
+        raise InvalidInputError(f"'{file}': its metadata make no valid config: {e}") from None
 
 
 def _vocab_size(reader: GGUFFile, m: _Metadata) -> int:
@@ -148,7 +145,7 @@ def _vocab_size(reader: GGUFFile, m: _Metadata) -> int:
     if isinstance(tokens, list) and tokens:
         return len(tokens)
     raise InvalidInputError(
-        f"model: '{m.file}' states no vocabulary size (no token_embd.weight tensor, no "
+        f"'{m.file}' states no vocabulary size (no token_embd.weight tensor, no "
         f"{m.arch}.vocab_size, no tokenizer.ggml.tokens)"
     )
 
@@ -156,7 +153,7 @@ def _vocab_size(reader: GGUFFile, m: _Metadata) -> int:
 def _rope_scaling(m: _Metadata, tensor_names: set[str]) -> dict[str, Any] | None:
     if "rope_freqs.weight" in tensor_names:
         raise InvalidInputError(
-            f"model: '{m.file}': tensor 'rope_freqs.weight' (per-dimension rope frequency "
+            f"'{m.file}': tensor 'rope_freqs.weight' (per-dimension rope frequency "
             "factors, as Llama 3.1 files carry) is not supported"
         )
     key = f"{m.arch}.rope.scaling.type"
@@ -165,8 +162,7 @@ def _rope_scaling(m: _Metadata, tensor_names: set[str]) -> dict[str, Any] | None
         return None
     if kind not in ROPE_SCALINGS:
         raise InvalidInputError(
-            f"model: '{m.file}': metadata '{key}' is {kind!r}; supported: "
-            + ", ".join(ROPE_SCALINGS)
+            f"'{m.file}': metadata '{key}' is {kind!r}; supported: " + ", ".join(ROPE_SCALINGS)
         )
     scaling: dict[str, Any] = {"rope_type": kind, "factor": m.float("rope.scaling.factor")}
     if kind == "yarn":

@@ -62,7 +62,7 @@ class _Cursor:
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
             raise InvalidInputError(
-                f"model: '{self.file}' ends inside its header (at byte {len(self.buf)}) {DAMAGED}"
+                f"'{self.file}' ends inside its header (at byte {len(self.buf)}) {DAMAGED}"
             )
 
     def scalar(self, fmt: str) -> Any:
@@ -94,7 +94,7 @@ class _Cursor:
                 return arr.tolist()
             return [self.value(item) for _ in range(count)]
         raise InvalidInputError(
-            f"model: '{self.file}' has a metadata value of unknown type {kind} {DAMAGED}"
+            f"'{self.file}' has a metadata value of unknown type {kind} {DAMAGED}"
         )
 
 
@@ -109,17 +109,15 @@ class GGUFFile:
             try:
                 self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError:  # an empty file cannot be mapped
-                raise InvalidInputError(f"model: '{file}' is empty {DAMAGED}") from None
+                raise InvalidInputError(f"'{file}' is empty {DAMAGED}") from None
         c = _Cursor(self._buf, file)
         if len(self._buf) < 4 or self._buf[:4] != MAGIC:
-            raise InvalidInputError(
-                f"model: '{file}' is not a GGUF file (it does not start with GGUF)"
-            )
+            raise InvalidInputError(f"'{file}' is not a GGUF file (it does not start with GGUF)")
         c.pos = 4
         version = c.scalar("<I")
         if version not in (2, 3):
             raise InvalidInputError(
-                f"model: '{file}' is GGUF version {version}; supported: 2 and 3 (little-endian)"
+                f"'{file}' is GGUF version {version}; supported: 2 and 3 (little-endian)"
             )
         n_tensors, n_fields = c.scalar("<Q"), c.scalar("<Q")
         self.fields: dict[str, Any] = {}
@@ -135,7 +133,7 @@ class GGUFFile:
         align = self.fields.get("general.alignment", 32)
         if not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise InvalidInputError(
-                f"model: '{file}': general.alignment must be a power of two, got {align!r}"
+                f"'{file}': general.alignment must be a power of two, got {align!r}"
             )
         data_start = -(-c.pos // align) * align
         self.tensors = [TensorInfo(n, d, k, data_start + off) for n, d, k, off in infos]
@@ -144,7 +142,7 @@ class GGUFFile:
             end = t.start + self.n_bytes(t)
             if end > len(self._buf):
                 raise InvalidInputError(
-                    f"model: '{file}' is cut short: tensor '{t.name}' ends at byte {end} but "
+                    f"'{file}' is cut short: tensor '{t.name}' ends at byte {end} but "
                     f"the file has {len(self._buf)} {DAMAGED}"
                 )
 
@@ -157,13 +155,13 @@ class GGUFFile:
     def row_bytes(self, t: TensorInfo) -> int:
         if t.kind not in self._types:
             raise InvalidInputError(
-                f"model: '{self.file}': tensor '{t.name}' has ggml type {t.kind}, which the "
+                f"'{self.file}': tensor '{t.name}' has ggml type {t.kind}, which the "
                 "installed gguf package does not know (a newer one may: pip install -U gguf)"
             )
         _, block, block_bytes = self._types[t.kind]
         if t.dims[0] % block:
             raise InvalidInputError(
-                f"model: '{self.file}': tensor '{t.name}' has rows of {t.dims[0]} values, not a "
+                f"'{self.file}': tensor '{t.name}' has rows of {t.dims[0]} values, not a "
                 f"whole number of its type's {block}-value blocks {DAMAGED}"
             )
         return t.dims[0] // block * block_bytes

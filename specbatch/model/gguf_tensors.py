@@ -86,7 +86,7 @@ class GGUFTensor:
             )
         except ValueError as e:
             raise InvalidInputError(
-                f"model: '{file}': tensor '{t.name}' ({self.reader.type_name(t)}) cannot be "
+                f"'{file}': tensor '{t.name}' ({self.reader.type_name(t)}) cannot be "
                 f"read: {e} {DAMAGED}"
             ) from None
         # A copy, in float32: the file is mapped read-only.
@@ -104,7 +104,7 @@ def check_tensor_types(reader: GGUFFile) -> None:
         if not _can_dequantize(gguf, kind):
             t = next(t for t in reader.tensors if t.kind == kind)
             raise InvalidInputError(
-                f"model: '{reader.file}': tensor '{t.name}' is stored as "
+                f"'{reader.file}': tensor '{t.name}' is stored as "
                 f"{reader.type_name(t)}, which the installed gguf package cannot dequantize (a "
                 "newer one may: pip install -U gguf)"
             )

@@ -58,12 +58,12 @@ def check_architecture(hf_config: Any) -> str:
     arch = architecture_of(hf_config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InvalidInputError(
-            f"model: architecture '{arch}' is not supported; supported: "
+            f"architecture '{arch}' is not supported; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise InvalidInputError(f"model: hidden_act '{act}' is not supported; supported: silu")
+        raise InvalidInputError(f"hidden_act '{act}' is not supported; supported: silu")
     return arch
 
 

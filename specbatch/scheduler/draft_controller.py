@@ -30,6 +30,7 @@ same children per node.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
@@ -83,6 +84,15 @@ def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
                 if tree.nodes > depth and tree not in shapes:
                     shapes.append(tree)
     return shapes
+
+
+def speedup_of(expected: Sequence[float]) -> float | None:
+    """Expected tokens/s of the chosen plans over no drafts' from ``DraftController.expected``
+    (summed over engines, too); None before both were measured."""
+    tok, sec, tok0, sec0 = expected
+    if not (sec and sec0 and tok0):
+        return None
+    return (tok / sec) / (tok0 / sec0)
 
 
 @dataclass
@@ -257,10 +267,7 @@ class DraftController:
     def estimated_speedup(self) -> float | None:
         """The chosen plans' expected tokens per second over those of no drafts, in the steps
         run so far, from the measured pass costs (what the engine can know of its effect)."""
-        tok, sec, tok0, sec0 = self.expected
-        if not (sec and sec0 and tok0):
-            return None
-        return (tok / sec) / (tok0 / sec0)
+        return speedup_of(self.expected)
 
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
 from specbatch.grammar.backend import CompiledGrammarRef
+from specbatch.request import PositionLogprobs
 from specbatch.sampling_params import SamplingParams
 
 
@@ -61,10 +62,6 @@ class SchedulerOutput:
     @property
     def num_target_tokens(self) -> int:
         return sum(len(r.target_token_ids) + r.num_draft for r in self.requests)
-
-
-# one position's logprobs: (the token's logprob, its rank, the top ids, their logprobs)
-PositionLogprobs = tuple[float, int, list[int], list[float]]
 
 
 @dataclass

@@ -15,8 +15,6 @@ from specbatch.worker.proposer import Drafter, DraftRound, Proposal
 
 
 class DraftModelProposer(Drafter):
-    draft_input = "tokens"
-
     def __init__(
         self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup, target: object
     ) -> None:
@@ -50,7 +48,7 @@ class DraftModelProposer(Drafter):
             [r.target_start + len(r.target_token_ids) for r in reqs],
             block_tables(reqs, self.device),
         )
-        sampled = self.config.tree_children == "sampled"
+        sampled = self.config.speculative_config.tree_children == "sampled"
         return grow(step, roots, self._pass, self.config.block_size, sampled)
 
     def _pass(

@@ -15,7 +15,7 @@ def make_drafter(
     config: EngineConfig, device: torch.device, draft_tp: TensorParallelGroup, target: ModelRunner
 ) -> Drafter | None:
     """None when the engine does not speculate."""
-    if not config.speculative:
+    if not config.speculative_config.speculative:
         return None
-    cls = DRAFTERS[config.spec_method].load()
+    cls = DRAFTERS[config.speculative_config.method].load()
     return cls(config, device, draft_tp, target)

@@ -26,8 +26,6 @@ from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcom
 
 
 class EagleProposer(Drafter):
-    draft_input = "features"
-
     def __init__(
         self,
         config: EngineConfig,
@@ -47,7 +45,7 @@ class EagleProposer(Drafter):
             head_dim=head_dim_of(head_config),
         )
         self.head = load_eagle_head(
-            config.draft.path, TargetParts.of(target.model), backend, config.draft.dtype, device
+            config.draft, TargetParts.of(target.model), backend, config.draft.dtype, device
         )
         if device.type == "cpu":
             from specbatch.kernels.cpu import cpu_kernels
@@ -99,7 +97,7 @@ class EagleProposer(Drafter):
             [r.draft_start + len(r.draft_token_ids) for r in reqs],
             block_tables(reqs, self.device),
         )
-        sampled = self.config.tree_children == "sampled"
+        sampled = self.config.speculative_config.tree_children == "sampled"
         return grow(step, roots, self._pass, self.config.block_size, sampled)
 
     def _pass(

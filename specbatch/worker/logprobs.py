@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specbatch.scheduler.output import PositionLogprobs
+from specbatch.request import PositionLogprobs
 
 
 def position_logprobs(

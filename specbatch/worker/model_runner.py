@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specbatch.config import ModelConfig
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.model.checkpoint import ModelConfig
 from specbatch.model.layers.attention import AttentionMetadata
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.loader import load_model
@@ -84,12 +84,7 @@ class ModelRunner:
             head_dim=head_dim_of(model_config.hf_config),
         )
         self.model = load_model(
-            model_config.path,
-            model_config.dtype,
-            device,
-            tp,
-            attention_backend=self.backend,
-            field=model_config.field,
+            model_config, model_config.dtype, device, tp, attention_backend=self.backend
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0

@@ -95,7 +95,8 @@ class NgramProposer(Drafter):
     def __init__(
         self, config: EngineConfig, device: torch.device, tp: object, target: object
     ) -> None:
-        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        spec = config.speculative_config
+        self.n_min, self.n_max = spec.prompt_lookup_min, spec.prompt_lookup_max
         self.device = device
         self.index: dict[str, NgramIndex] = {}
         self.prompts: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -99,13 +99,12 @@ class RoundOutcome:
 
 class Drafter:
     """A drafter on one rank; every method is called on every rank with the same arguments.
+    What the scheduler sends it each step for its own KV cache is its registry entry's
+    ``draft_input`` (``specbatch/drafters.py``).
 
-    ``draft_input`` says what the scheduler sends it each step to keep its own KV cache (see
-    ``Scheduler``): "tokens" (a draft model), "features" (an EAGLE head) or "none".
     ``feature_layers``: the target features it reads after each pass: None (none), () (the
     final hidden states), or the residual streams entering these target layers."""
 
-    draft_input: ClassVar[str] = "none"
     feature_layers: tuple[int, ...] | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:

@@ -28,7 +28,16 @@ from specbatch.distributed.init import (
     rendezvous_host,
     serve_store,
 )
-from specbatch.distributed.ray_connect import check_ray_address, keep_sigterm_handler
+from specbatch.distributed.ray_connect import connect_ray
+from specbatch.distributed.ray_settings import (
+    CPU_BUNDLE,
+    DEFAULT_INIT_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    INIT_TIMEOUT_ENV,
+    STEP_TIMEOUT_ENV,
+    THREADS_ENV,
+    env_seconds,
+)
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.worker.executor import num_kv_blocks_from_budget
@@ -36,27 +45,6 @@ from specbatch.worker.ray_failures import describe_failures
 from specbatch.worker.ray_rank import RankWorker
 
 logger = logging.getLogger(__name__)
-
-STEP_TIMEOUT_ENV = "SPECBATCH_RAY_STEP_TIMEOUT"  # seconds one engine step may take
-INIT_TIMEOUT_ENV = "SPECBATCH_RAY_INIT_TIMEOUT"  # seconds to place, start and load the workers
-THREADS_ENV = "SPECBATCH_WORKER_THREADS"  # torch threads per CPU rank
-DEFAULT_STEP_TIMEOUT_S = 60.0
-DEFAULT_INIT_TIMEOUT_S = 900.0
-CPU_BUNDLE = 0.01  # logical CPUs a CPU rank reserves: places it without starving other tasks
-LOCAL_OBJECT_STORE_BYTES = 256 << 20  # plans and results are a few KiB
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidInputError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise InvalidInputError(f"{name} must be positive, got {raw!r}")
-    return value
 
 
 def _threads_for(ranks_on_node: int) -> int:
@@ -83,13 +71,18 @@ class RayExecutor:
         *,
         step_timeout_s: float | None = None,
         init_timeout_s: float | None = None,
+        placement: tuple[Any, int] | None = None,
     ) -> None:
+        """``placement``: (placement group, bundle index) to start every rank in, a bundle
+        someone else reserved and removes (a data-parallel replica's); None: a placement
+        group of one bundle per rank, made and removed here."""
         self.config = config
+        self._given_placement = placement
         self.world_size = config.tensor_parallel_size
-        self.step_timeout_s = step_timeout_s or _env_seconds(
+        self.step_timeout_s = step_timeout_s or env_seconds(
             STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S
         )
-        self.init_timeout_s = init_timeout_s or _env_seconds(
+        self.init_timeout_s = init_timeout_s or env_seconds(
             INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S
         )
         self.workers: list[Any] = []
@@ -111,46 +104,15 @@ class RayExecutor:
 
     # ---- set-up ----------------------------------------------------------------------------
     def _connect(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            if self.config.ray_address:
-                logger.info("Ray is already initialised; ignoring ray_address")
-            return
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        address = self.config.ray_address
-        if address:
-            check_ray_address(address)  # ray.init would retry for minutes
-        try:
-            with keep_sigterm_handler():  # ray.init installs its own
-                self._init_ray(address)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
-            hint = " (is `ray start --head` running there?)" if address else ""
-            raise EngineError(f"could not connect to {where}{hint}: {e}") from e
-        self._owns_ray = True
-
-    @staticmethod
-    def _init_ray(address: str | None) -> None:
-        import ray
-
-        if address:
-            ray.init(address=address, logging_level=logging.WARNING)
-        else:
-            # A private instance on this machine, advertised on loopback (an offline
-            # machine's reported IP may not be reachable). Ray's authentication default
-            # and RAY_AUTH_MODE are left as they are.
-            ray.init(
-                include_dashboard=False,
-                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                logging_level=logging.WARNING,
-                _node_ip_address="127.0.0.1",
-            )
+        self._owns_ray = connect_ray(self.config.ray_address)
 
     def _place(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
+        if self._given_placement is not None:
+            self.placement_group = self._given_placement[0]
+            return
         on_gpu = self.config.device == "cuda"
         bundle = {"GPU": 1.0} if on_gpu else {"CPU": CPU_BUNDLE}
         need = "GPU" if on_gpu else "CPU"
@@ -178,8 +140,10 @@ class RayExecutor:
         tag = uuid.uuid4().hex[:8]
         self.actor_names = [f"specbatch-tp{rank}-{tag}" for rank in range(self.world_size)]
         for rank in range(self.world_size):
+            given = self._given_placement
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=rank
+                placement_group=self.placement_group,
+                placement_group_bundle_index=rank if given is None else given[1],
             )
             self.workers.append(
                 actor_cls.options(
@@ -292,7 +256,7 @@ class RayExecutor:
         if workers:  # wait (bounded) until Ray reports them dead, so callers see them gone
             probes = [w.where.remote() for w in workers]
             ray.wait(probes, num_returns=len(probes), timeout=10.0)
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._given_placement is None:
             from ray.util.placement_group import remove_placement_group
 
             try:

@@ -65,7 +65,8 @@ class RankWorker:
         from specbatch.worker.worker import Worker
 
         assert self.tp is not None, "setup() first"
-        draft_tp: TensorParallelGroup = self.tp if config.draft_tensor_parallel_size > 1 else SINGLE
+        sharded = config.speculative_config.draft_tensor_parallel_size > 1
+        draft_tp: TensorParallelGroup = self.tp if sharded else SINGLE
         device = torch.device("cuda", 0) if self.device == "cuda" else torch.device(self.device)
         self.worker = Worker(config, device=device, tp=self.tp, draft_tp=draft_tp)
 

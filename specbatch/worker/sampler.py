@@ -45,22 +45,14 @@ class SamplingTensors:
         min_p: list[float],
         device: torch.device | str | None = None,
     ) -> SamplingTensors:
-        """Build the tensors (one host-to-device copy each) and the host flags."""
+        """Build the tensors (one host-to-device copy each) and the host flags, from values
+        ``SamplingParams`` checked."""
         n = len(temperature)
         for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
             if len(values) != n:
                 raise InvalidInputError(
                     f"SamplingTensors: {name} has {len(values)} rows, temperature has {n}"
                 )
-        if n:
-            if min(temperature) < 0.0:
-                raise InvalidInputError("temperature must be >= 0")
-            if min(top_k) < 0:
-                raise InvalidInputError("top_k must be >= 0 (0 means off)")
-            if min(top_p) <= 0.0 or max(top_p) > 1.0:
-                raise InvalidInputError("top_p must be in (0, 1]")
-            if min(min_p) < 0.0 or max(min_p) > 1.0:
-                raise InvalidInputError("min_p must be in [0, 1]")
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),

@@ -83,10 +83,10 @@ class Worker:
         )
         self.drafter = make_drafter(config, self.device, draft_tp, self.target)
         self.draft: ModelRunner | None = getattr(self.drafter, "runner", None)
-        kind = DRAFTERS.get(config.spec_method)
-        self.sampled_children = (
-            config.tree_children == "sampled" and kind is not None and (kind.samples)
-        )
+        spec = config.speculative_config
+        kind = DRAFTERS.get(spec.method)
+        samples = kind is not None and kind.samples  # a lookup's children are chosen
+        self.sampled_children = samples and spec.tree_children == "sampled"
         self._states: dict[str, _RequestState] = {}
         self._grammar_info: object = None  # xgrammar's tokenizer info, read on first use
         self._compiled: dict[str, object] = {}  # grammar key -> compiled grammar, on a Ray rank

@@ -137,7 +137,8 @@ class AttentionBackend(ABC):
             rule = "a positive integer" if m == 1 else f"a positive multiple of {m}"
             raise InvalidInputError(
                 f"block_size must be {rule} for the '{cls.name}' attention backend, "
-                f"got {block_size!r}"
+                f"got {block_size!r}",
+                "block_size",
             )
 
     def kv_cache_shapes(

@@ -99,9 +99,13 @@ def select_backend(
         if backend is not None:
             return backend
         if name == "cpu":
-            raise InvalidInputError(f"attention_backend 'cpu' cannot run this model: {why}")
+            raise InvalidInputError(
+                f"attention_backend 'cpu' cannot run this model: {why}", "attention_backend"
+            )
     if name == "cpu":
-        raise InvalidInputError(f"attention_backend 'cpu' runs on a CPU device, got device '{dev}'")
+        raise InvalidInputError(
+            f"attention_backend 'cpu' runs on a CPU device, got device '{dev}'", "attention_backend"
+        )
     if name == "auto":
         is_cuda = dev.type == "cuda"
         importable: set[str] = set()
@@ -114,17 +118,20 @@ def select_backend(
     if name not in _CUDA_BACKENDS:
         raise InvalidInputError(
             f"attention_backend '{name}' is not available; available: auto, "
-            + ", ".join(BACKEND_NAMES)
+            + ", ".join(BACKEND_NAMES),
+            "attention_backend",
         )
     if dev.type != "cuda":
         raise InvalidInputError(
             f"attention_backend '{name}' needs a CUDA device, got device '{dev}'; "
-            "use attention_backend 'torch' or 'auto' there"
+            "use attention_backend 'torch' or 'auto' there",
+            "attention_backend",
         )
     if dtype is not None and dtype not in _HALF_DTYPES:
         raise InvalidInputError(
             f"attention_backend '{name}' needs dtype float16 or bfloat16, got "
-            f"{str(dtype).removeprefix('torch.')}"
+            f"{str(dtype).removeprefix('torch.')}",
+            "attention_backend",
         )
     cls = _backend_class(name)
     if block_size is not None:
@@ -134,6 +141,7 @@ def select_backend(
     if error is not None:
         raise InvalidInputError(
             f"attention_backend '{name}' needs the {package} package, which does not import "
-            f"({error}); {_INSTALL_HINT}"
+            f"({error}); {_INSTALL_HINT}",
+            "attention_backend",
         )
     return cls()

@@ -36,7 +36,7 @@ from specbatch.model.layers.weights import (
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise InvalidInputError(
-            f"model: {what}={numerator} must be divisible by tensor_parallel_size={denominator}"
+            f"{what}={numerator} must be divisible by tensor_parallel_size={denominator}"
         )
     return numerator // denominator
 

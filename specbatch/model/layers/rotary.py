@@ -33,7 +33,7 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     layer_types = set(getattr(hf_config, "layer_types", None) or ())
     if any(key in layer_types for key in params):
         raise InvalidInputError(
-            "model: per-layer rope_parameters are not supported; expected one flat rope config"
+            "per-layer rope_parameters are not supported; expected one flat rope config"
         )
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -46,13 +46,13 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise InvalidInputError(
-            f"model: rope_type '{rope_type}' is not supported (only static rope scalings are); "
+            f"rope_type '{rope_type}' is not supported (only static rope scalings are); "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         raise InvalidInputError(
-            f"model: partial_rotary_factor={partial} is not supported; only 1.0 (full rotary)"
+            f"partial_rotary_factor={partial} is not supported; only 1.0 (full rotary)"
         )
     if rope_type == "default":
         base = float(params["rope_theta"])
@@ -64,7 +64,7 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     if inv_freq.numel() != head_dim // 2:
         raise InvalidInputError(
-            f"model: rope_type '{rope_type}' gave {inv_freq.numel()} frequencies for "
+            f"rope_type '{rope_type}' gave {inv_freq.numel()} frequencies for "
             f"head_dim={head_dim}; expected {head_dim // 2}"
         )
     return inv_freq.float(), float(scaling)
@@ -84,7 +84,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         if head_dim % 2 != 0:
-            raise InvalidInputError(f"model: head_dim={head_dim} must be even for rotary embedding")
+            raise InvalidInputError(f"head_dim={head_dim} must be even for rotary embedding")
         self.head_dim = head_dim
         self.max_positions = max_positions
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]

@@ -1,4 +1,4 @@
-"""Reading a prompts file for ``specbatch generate``: ``.txt`` or ``.jsonl``.
+"""Reading a prompts file (``specbatch generate``, the benches): ``.txt`` or ``.jsonl``.
 
 ``.txt``: every line that is not blank (whitespace only) is one prompt, taken literally: no escape
 sequences are interpreted (a backslash is a backslash) and only the line ending is removed. A
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from specbatch.entrypoints.engine_flags import SAMPLING_FIELDS
 from specbatch.errors import InvalidInputError
+from specbatch.options import options_of
+from specbatch.sampling_params import SamplingParams
 
-# The sampling fields a line may set are exactly the sampling flags of the command line.
-LINE_SAMPLING_FIELDS = SAMPLING_FIELDS
+# The sampling fields a line may set: those the command line has flags for, and its seed.
+LINE_SAMPLING_FIELDS = (*(n for n, opt, _ in options_of(SamplingParams) if opt.flag), "seed")
 PROMPT_FIELDS = ("prompt", "prompt_token_ids")
 FILE_FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -63,7 +64,8 @@ def file_format(path: str | Path) -> Literal["txt", "jsonl"]:
     if suffix not in FILE_FORMATS:
         raise InvalidInputError(
             f"prompts: cannot tell the format of '{path}' from its extension; use .txt "
-            "(one prompt a line) or .jsonl (one JSON object a line)"
+            "(one prompt a line) or .jsonl (one JSON object a line)",
+            "prompts",
         )
     return FILE_FORMATS[suffix]  # type: ignore[return-value]
 
@@ -133,14 +135,15 @@ def _parse_json_line(
     if "prompt" in obj:
         prompt = obj["prompt"]
         if not isinstance(prompt, str):
-            raise InvalidInputError(f"prompt must be a string, got {_json_type(prompt)}")
+            raise InvalidInputError(f"prompt must be a string, got {_json_type(prompt)}", "prompt")
     else:
         prompt = obj["prompt_token_ids"]
         if not isinstance(prompt, list) or any(
             isinstance(t, bool) or not isinstance(t, int) for t in prompt
         ):
             raise InvalidInputError(
-                f"prompt_token_ids must be a list of integers, got {json.dumps(prompt)[:60]}"
+                f"prompt_token_ids must be a list of integers, got {json.dumps(prompt)[:60]}",
+                "prompt_token_ids",
             )
     rid = obj.get("id")
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):

@@ -1,0 +1,56 @@
+"""Data-parallel replicas' counters and gauges summed into one (``engine_state.py``): every
+counter of ``EngineMetrics`` and of a subclass counting more, and auto's pooled estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from specbatch.bench.cell_run import PassCounts
+from specbatch.engine.engine_state import EngineState, merge_metrics, merge_states
+from specbatch.engine.metrics import EngineMetrics
+from specbatch.request import SpecStats
+
+
+def counters(seed: int) -> PassCounts:
+    m = PassCounts()
+    for i, f in enumerate(dataclasses.fields(m)):
+        if f.type in ("int", "float"):
+            setattr(m, f.name, seed * 10 + i)
+    m.spec = SpecStats(rounds=seed, proposed=3 * seed, accepted=seed, rejections=1, emitted=2)
+    m.draft_length_counts = Counter({0: seed, 3: 1})
+    return m
+
+
+def test_every_counter_is_summed_in_the_first_ones_class() -> None:
+    a, b = counters(1), counters(2)
+    total = merge_metrics([a, b])
+    assert type(total) is PassCounts
+    for f in dataclasses.fields(total):
+        if f.type in ("int", "float"):
+            assert getattr(total, f.name) == getattr(a, f.name) + getattr(b, f.name), f.name
+    assert (total.spec.rounds, total.spec.proposed, total.spec.rejections) == (3, 9, 2)
+    assert total.draft_length_counts == Counter({0: 3, 3: 2})
+    assert (a.spec.rounds, a.draft_length_counts) == (1, Counter({0: 1, 3: 1}))  # untouched
+    assert merge_metrics([]) == EngineMetrics()
+
+
+def test_states_add_up_and_auto_pools_its_expected_rates() -> None:
+    one = EngineState(running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=4, draft_nodes=3)
+    one.auto_expected = (30.0, 1.0, 20.0, 1.0)  # 1.5x alone
+    two = EngineState(running=1, kv_blocks_total=10, kv_blocks_used=1, draft_nodes=5)
+    two.auto_expected = (10.0, 1.0, 10.0, 2.0)  # 2x alone
+    plain = EngineState(running=4, kv_blocks_total=8)
+    total = merge_states([one, two, plain])
+    assert (total.running, total.waiting, total.kv_blocks_total, total.kv_blocks_used) == (
+        7,
+        1,
+        28,
+        5,
+    )
+    assert total.draft_nodes == 5 and total.auto_expected == (40.0, 2.0, 30.0, 3.0)
+    assert total.estimated_speedup == pytest.approx((40 / 2) / (30 / 3))
+    assert merge_states([plain]).estimated_speedup is None
+    assert EngineState(auto_expected=(5.0, 1.0, 0.0, 0.0)).estimated_speedup is None
