@@ -197,6 +197,33 @@ def test_dp2_equals_dp1_in_order_with_the_replicas_on_both_nodes(dp1, dp2) -> No
     kv_clean(dp2)
 
 
+def test_structured_outputs_on_two_replicas_equal_one_engine(make_checkpoint, cluster) -> None:
+    """A grammar is checked by the front (a bad one refused before any replica sees it) and
+    compiled by each replica: seeded structured outputs equal one engine's."""
+    target = make_checkpoint("llama", with_tokenizer=True)
+    config = {"method": "ngram", "num_speculative_tokens": GAMMA, "prompt_lookup_min": 1}
+    specs = [{"choice": ["yes", "no"]}, {"regex": "ab[cd]{1,4}"}] * 2
+    params = [
+        SamplingParams(temperature=0.9, seed=i, max_tokens=12, structured_outputs=spec)
+        for i, spec in enumerate(specs)
+    ]
+    prompts = ["yes or no? yes", "pick: abc abd"] * 2
+    outs = []
+    for dp in (1, 2):
+        llm = LLM(str(target), speculative_config=config, data_parallel_size=dp, **ENGINE)
+        try:
+            if dp == 2:
+                with pytest.raises(InvalidInputError, match=r"structured_outputs\.regex: invalid"):
+                    llm.generate(["x"], SamplingParams(structured_outputs={"regex": "[a-"}))
+            got = llm.generate(prompts, params, use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in got])
+            if dp == 2:
+                kv_clean(llm)
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+
+
 def test_aborts_leave_no_kv_block_on_any_replica(dp2) -> None:
     engine = dp2.engine
     params = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)

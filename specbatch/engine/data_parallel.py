@@ -42,9 +42,10 @@ from specbatch.engine.engine_state import EngineState, merge_metrics, merge_stat
 from specbatch.engine.llm_engine import LLMEngine, PromptInput
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError
+from specbatch.grammar.compiler import GrammarCompilerPool
 from specbatch.outputs import RequestOutput
 from specbatch.sampling_params import SamplingParams
-from specbatch.tokenizer import load_tokenizer, max_token_chars
+from specbatch.tokenizer import eos_token_ids, load_tokenizer, max_token_chars
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class DataParallelEngine:
         self.max_prompt_chars = (config.max_model_len - 1) * (
             max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         )
+        # structured outputs' grammars, parsed to check requests (each replica compiles its own)
+        stops = eos_token_ids(config.target.hf_config, self.tokenizer, config.target.path)
+        self.grammars = GrammarCompilerPool(self.tokenizer, config.target.vocab_size, stops)
         self.lookahead = max(1, config.max_num_seqs // 4)
         self.hung_after_s = POLL_S + env_seconds(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
         self.replica_set = ReplicaSet(config)
