@@ -176,6 +176,7 @@ class EngineConfig:
     draft_topk: int = 1  # children per expanded node: 1 drafts chains
     num_draft_tokens: int = 0  # nodes of a tree (a chain: num_speculative_tokens)
     tree_children: str = "sampled"  # a tree's children drawn from q, or its top draft_topk
+    enable_prefix_caching: bool = True
 
     @property
     def draft_shape(self) -> DraftShape:
@@ -220,6 +221,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
     batch_invariant: bool = False
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs"
+    enable_prefix_caching: bool = True
 
     def _speculative_args(self) -> SpeculativeArgs:
         """``speculative_config`` checked, or the shorthand flags as one."""
@@ -386,6 +388,7 @@ class EngineArgs:
             draft_topk=spec.topk,
             num_draft_tokens=spec.num_draft_tokens or 0,
             tree_children=spec.tree_children,
+            enable_prefix_caching=bool(self.enable_prefix_caching),
         )
 
     @staticmethod

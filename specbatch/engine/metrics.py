@@ -20,6 +20,8 @@ class EngineMetrics:
     target_time_total: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)
     draft_length_counts: Counter[int] = field(default_factory=Counter)  # per decoding request
+    prefix_cache_queries: int = 0  # tokens of requests admitted for the first time
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
     def on_step(self, plan: SchedulerOutput, result: StepResult, step_time: float) -> None:
         self.num_steps += 1
@@ -27,6 +29,8 @@ class EngineMetrics:
         self.step_time_total += step_time
         self.draft_time_total += result.timings.get("draft", 0.0)
         self.target_time_total += result.timings.get("target", 0.0)
+        self.prefix_cache_queries += plan.prefix_cache_queries
+        self.prefix_cache_hits += plan.prefix_cache_hits
         for sr in plan.requests:
             self.num_prompt_tokens += len(sr.target_token_ids) - (1 if sr.sample else 0)
             r = result.results.get(sr.request_id)
@@ -50,4 +54,13 @@ class EngineMetrics:
             "mean_tokens_per_round": s.mean_tokens_per_round,
             "predicted_tokens_per_round": s.predicted_tokens_per_round(),
             "acceptance_by_position": s.acceptance_by_position,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else None

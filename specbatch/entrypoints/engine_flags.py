@@ -150,6 +150,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "in any batch, with or without speculation (CPU kernels only; not with auto)",
     ),
     Flag(
+        "enable_prefix_caching",
+        bool,
+        "reuse the KV blocks of prompt prefixes seen before (the target's and the drafter's); "
+        "--no-enable-prefix-caching computes every prompt whole",
+    ),
+    Flag(
         "logprobs_mode",
         str,
         "what logprobs report: raw_logprobs (the model's log-softmax, as vLLM) or "
@@ -234,8 +240,17 @@ def _sampling_default(name: str) -> Any:
 
 
 def _add(parser: argparse._ActionsContainer, flag: Flag, default: Any, required: bool) -> None:
-    if flag.type is bool:  # a switch: present or not
-        parser.add_argument(flag.name, dest=flag.field, action="store_true", help=flag.help)
+    if flag.type is bool:  # a switch: present or not; --no-NAME when it is on by default
+        if default:
+            parser.add_argument(
+                flag.name,
+                dest=flag.field,
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help=flag.help + " (default: on)",
+            )
+        else:
+            parser.add_argument(flag.name, dest=flag.field, action="store_true", help=flag.help)
         return
     help_text = flag.help
     if default is not None and not required:

@@ -46,6 +46,7 @@ class EagleProposer(Drafter):
             block_size=config.block_size,
             head_dim=head_dim_of(head_config),
         )
+        self.backend = backend
         self.head = load_eagle_head(
             config.draft.path, TargetParts.of(target.model), backend, config.draft.dtype, device
         )
@@ -67,6 +68,12 @@ class EagleProposer(Drafter):
         self.kv_caches = self.head.allocate_kv_caches(
             num_blocks, self.config.block_size, self.device
         )
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            self.backend.move_slots(k_cache, v_cache, s, d)
 
     def finish_request(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
