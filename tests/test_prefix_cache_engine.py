@@ -86,7 +86,7 @@ def test_a_hit_on_blocks_whose_neighbours_were_rolled_back(models):
     spec = llm.engine.metrics.spec
     assert spec.rejections >= 5, "the draft should be rejected often"
     full = base + out
-    batch = [full[:n] + [5, 6] for n in (21, 32, 45, 60)]
+    batch = [[*full[:n], 5, 6] for n in (21, 32, 45, 60)]
     got = generate(llm, batch)
     assert got == hf_greedy(models[0], batch, MAX_NEW)
     assert llm.engine.metrics.prefix_cache_hits >= 20 + 32 + 44 + 60 - 4
