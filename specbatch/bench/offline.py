@@ -54,7 +54,14 @@ from specbatch.bench.cells import (
     crossover,
     pool_runs,
 )
-from specbatch.bench.workload import WORKLOADS, build_workload, mixed, spread_output_lengths
+from specbatch.bench.workload import (
+    WORKLOADS,
+    build_workload,
+    mixed,
+    shared_prefix,
+    spread_output_lengths,
+    with_shared_prefix,
+)
 from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
@@ -135,6 +142,7 @@ class BenchConfig:
     # None: ``draft_model``, or the built-in target's own drafter (its EAGLE head)
     speculative_config: dict[str, Any] | None = None
     workload: str = "heldout"  # "heldout" stdlib windows, or "grounded" (bench/workload.py)
+    shared_prefix_len: int = 0  # tokens every prompt starts with, before its input_len own
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more EngineArgs fields
 
     def check(self) -> None:
@@ -149,6 +157,8 @@ class BenchConfig:
             raise bad("input_len", "must be >= 1 (and output_len >= 2)")
         if not 0 <= self.output_len_spread < 1:
             raise bad("output_len_spread", f"must be in [0, 1), got {self.output_len_spread}")
+        if self.shared_prefix_len < 0:
+            raise bad("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
         if self.num_requests is not None and self.num_requests < 1:
             raise bad("num_requests", "must be >= 1")
         if self.repeats < 1:
@@ -207,7 +217,9 @@ def machine_facts() -> dict[str, Any]:
 
 def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
     """The engine of draft length ``k``: plain for 0, ``auto`` up to the grid's largest."""
-    model_len = cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
+    model_len = (
+        cfg.shared_prefix_len + cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
+    )
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
     draft_length: int | str = "auto" if k == AUTO else k
@@ -288,6 +300,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         )
         if cfg.mixed_hard_temperature is not None:
             workload = mixed(workload, engines[lengths[0]].tokenizer, cfg.mixed_hard_temperature)
+        prefix = shared_prefix(engines[lengths[0]], cfg.shared_prefix_len, cfg.seed)
+        workload = with_shared_prefix(workload, prefix)
         workload = spread_output_lengths(workload, cfg.output_len_spread, cfg.seed)
         source = workload.source
         on_finished = bar.update if bar is not None else None

@@ -29,6 +29,7 @@ FIELDS = (
     "num_requests",
     "temperature",
     "prompts",
+    "shared_prefix_len",
 )
 # Engine flags the command sets itself, per engine (auto's maximum: the largest K of
 # --draft-lengths).
@@ -150,6 +151,14 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         "prompt (what n-gram drafting is for; give --input-len 256 or so) (default: heldout)",
     )
     p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every prompt starts with the same N tokens (a window of the held-out text), then "
+        "its own --input-len tokens: the workload the prefix cache serves (default: 0)",
+    )
+    p.add_argument(
         "--out",
         default="bench_results/bench",
         metavar="PATH",
@@ -214,6 +223,7 @@ def config_from(args: argparse.Namespace) -> Any:
         seed=args.seed,
         speculative_config=spec,
         workload=args.workload,
+        shared_prefix_len=args.shared_prefix_len,
         engine_kwargs=engine_kwargs,
     )
 

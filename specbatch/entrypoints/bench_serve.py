@@ -5,7 +5,10 @@ For each rate, ``--num-prompts`` streaming completions arrive as a Poisson proce
 request and output-token throughput, TTFT, time per output token (TPOT, per request, after the
 first token) and inter-token latency (ITL: the gaps between streamed chunks, so a round that
 accepts several tokens counts as one gap), each as mean/p50/p90/p99 in milliseconds, and the
-draft acceptance rate over the run, read from the server's ``/metrics``.
+draft acceptance rate and prefix-cache hit rate over the run, read from the server's
+``/metrics``. With ``--multi-turn T``, each prompt opens a chat of T turns instead (the rate
+counts conversations; each turn resends the conversation so far), and TTFT is also reported
+turn by turn.
 """
 
 from __future__ import annotations
@@ -97,6 +100,15 @@ def add_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         help="synthetic prompt length (default: %(default)s)",
     )
     p.add_argument(
+        "--multi-turn",
+        type=int,
+        default=1,
+        metavar="T",
+        help="chat conversations of T turns through /v1/chat/completions, each prompt the "
+        "first user turn and a short follow-up after each reply (default: 1, plain "
+        "completions)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -134,6 +146,8 @@ def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
         raise InvalidInputError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise InvalidInputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.multi_turn < 1:
+        raise InvalidInputError(f"--multi-turn must be >= 1, got {args.multi_turn}")
     if args.prompts is None:
         return list(synthetic_prompts(args.num_prompts, args.input_words, args.seed))
     from specbatch.entrypoints.prompts_file import read_prompts
@@ -141,6 +155,8 @@ def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     lines = read_prompts(args.prompts).prompts
     if not lines:
         raise InvalidInputError(f"--prompts: '{args.prompts}' holds no prompts")
+    if args.multi_turn > 1 and any(not isinstance(p.prompt, str) for p in lines):
+        raise InvalidInputError("--prompts: --multi-turn needs text prompts, not token ids")
     return [lines[i % len(lines)].prompt for i in range(args.num_prompts)]
 
 
@@ -158,6 +174,7 @@ def _run_async(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict
             model=args.model,
             api_key=args.api_key,
             timeout=args.timeout,
+            multi_turn=args.multi_turn,
         )
     )
 
