@@ -68,8 +68,13 @@ def test_greedy_with_hits_equals_transformers(models, method):
     (first,) = generate(llm, [base])
     continued = base + first[:10] + [7]  # its blocks hold the first request's output too
     batch = [*variants, continued]
-    got = generate(llm, batch)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
     assert [first, *got] == hf_greedy(models[0], [base, *batch], MAX_NEW)
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    # every prompt found its full blocks of the base cached (a boundary token recomputed)
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[:5] == ([20, 15, 15, 16, 3] if method == "eagle3" else [20, 15, 16, 16, 4])
     # each variant's full blocks in the base were cached (less a recomputed last token)
     assert llm.engine.metrics.prefix_cache_hits >= 20 + 15 + 15 + 16 + 4 + 32 - 2
 

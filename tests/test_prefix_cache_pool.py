@@ -62,7 +62,7 @@ def test_cached_run_and_the_token_after_each_block():
     seq = [5, 6, 7, 8, 9, 10]
     assert kv.allocate("a", 6)
     keys = kv.block_keys("a", tokens_of(seq), 3)
-    kv.publish("a", keys[:2], after=[7, 9])
+    kv.publish("a", keys[:2], after=[7, 9].__getitem__)
     blocks, exact = kv.cached_run(keys)
     assert blocks == kv.block_table("a")[:2] and exact
     blocks, exact = kv.cached_run(keys, lambda i: seq[(i + 1) * 2])

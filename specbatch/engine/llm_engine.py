@@ -346,6 +346,7 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics.of(first),
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     # ---- introspection ---------------------------------------------------------------------

@@ -180,16 +180,19 @@ class KVCacheManager:
         return self._published.get(request_id, 0)
 
     def publish(
-        self, request_id: str, keys: Sequence[bytes], after: Sequence[int] | None = None
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        after: Callable[[int], int] | None = None,
     ) -> None:
         """Publish the request's first ``len(keys)`` blocks under ``keys``: every slot in them
-        holds the K/V of a verified token in every model's cache. ``after[i]``: the token after
+        holds the K/V of a verified token in every model's cache. ``after(i)``: the token after
         block i, for a drafter whose cache at a block's last slot depends on it (EAGLE). A
         block whose key another block already has stays unpublished (a duplicate)."""
         table = self._tables[request_id]
         start = self._published.get(request_id, 0)
         for i in range(start, len(keys)):
-            self.pool.publish(table[i], keys[i], None if after is None else after[i])
+            self.pool.publish(table[i], keys[i], None if after is None else after(i))
         self._published[request_id] = max(start, len(keys))
 
     def reset_prefix_cache(self) -> int:

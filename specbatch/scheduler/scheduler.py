@@ -359,7 +359,10 @@ class Scheduler:
         keys = self.kv.block_keys(req.request_id, req.token_slice, full)
         after = None
         if self.draft_input == "features":  # known: the head read it at the block's end
-            after = [req.token_slice(p, p + 1)[0] for p in range(bs, (full + 1) * bs, bs)]
+
+            def after(i: int) -> int:
+                return req.token_slice((i + 1) * bs, (i + 1) * bs + 1)[0]
+
         self.kv.publish(req.request_id, keys, after)
 
     def _share_source_blocks(self, req: Request) -> int:
