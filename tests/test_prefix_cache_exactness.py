@@ -1,8 +1,8 @@
 """Sampling exactness when prompts start on cached blocks: the joint of the first three tokens
-of requests that hit the prefix cache is the target's, with a draft model (a wholly cached
-prompt: the last prompt token recomputed in a copy of its block) and with an EAGLE head (a
-cached block published with another token after it: the head's boundary position recomputed
-from the target's feature there).
+of requests whose whole prompt is cached is the target's, with a draft model (the last prompt
+token recomputed in a copy of its block, for its logits) and with an EAGLE head (the same, and
+the head's position there, whose cached K/V read another request's first output token,
+recomputed from the target's feature with the request's own token).
 
 The design is tests/test_exactness.py's: a 3-token vocabulary, N = 14,000 samples, a chi-square
 goodness-of-fit test rejecting at p < ALPHA = 1e-3 (the false-alarm rate; seeds are fixed), and
@@ -21,8 +21,6 @@ from tests.helpers import exact_joint, make_perturbed_draft
 from tests.test_exactness import VOCAB, N, assert_matches
 
 PROMPT = [1, 2, 0, 1]  # two full blocks of 2
-WARM = {"draft_model": PROMPT, "eagle3": [*PROMPT, 0]}  # what publishes the blocks first
-ASKED = {"draft_model": PROMPT, "eagle3": [*PROMPT, 2]}  # what the N requests ask
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +48,14 @@ def test_requests_starting_on_cached_blocks_sample_the_targets_joint(models, met
     llm = LLM(str(target), speculative_config=spec, block_size=2, num_kv_blocks=2048,
               max_num_seqs=256, max_model_len=32, seed=3)  # fmt: skip
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate({"prompt_token_ids": WARM[method]}, warm, use_tqdm=False)
+    llm.generate({"prompt_token_ids": PROMPT}, warm, use_tqdm=False)  # publishes the blocks
     before = llm.engine.metrics.prefix_cache_hits
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ASKED[method]}] * N, params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False)
     e = llm.engine
     assert e.metrics.prefix_cache_hits - before == N * 3  # two blocks, less one recomputed
     assert e.num_free_kv_blocks == e.num_kv_blocks
     spec_stats = e.metrics.spec
     assert spec_stats.proposed > N and 0.05 < spec_stats.acceptance_rate < 0.98
     samples = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
-    assert_matches(samples, exact_joint(target, ASKED[method], 3))
+    assert_matches(samples, exact_joint(target, PROMPT, 3))

@@ -34,9 +34,9 @@ def test_idle_blocks_stay_findable_until_the_pool_needs_them():
     pool.release([y, x])  # y first: it is evicted first
     assert pool.num_free == 3 and pool.num_used == 0 and pool.num_cached == 2
     (z,) = pool.allocate(1)  # the never-published block goes first
-    assert z not in (x, y) and pool.lookup(b"kx") == x and pool.lookup(b"ky") == y
+    assert z not in (x, y) and pool.lookup(b"kx") == (x, True) and pool.lookup(b"ky") == (y, True)
     (w,) = pool.allocate(1)  # then the least recently released idle block
-    assert w == y and pool.lookup(b"ky") is None and pool.lookup(b"kx") == x
+    assert w == y and pool.lookup(b"ky") is None and pool.lookup(b"kx") == (x, True)
     pool.share(x)  # a hit takes x out of the idle set
     with pytest.raises(MemoryError):
         pool.allocate(1)
@@ -44,17 +44,22 @@ def test_idle_blocks_stay_findable_until_the_pool_needs_them():
     assert pool.num_free == 3 and pool.num_evictions == 1
 
 
-def test_a_key_names_one_block_and_reset_forgets_every_key():
-    pool = BlockPool(4)
-    a, b = pool.allocate(2)
+def test_a_key_names_one_block_per_token_after_it_and_reset_forgets_every_key():
+    pool = BlockPool(5)
+    a, b, c = pool.allocate(3)
     assert pool.publish(a, b"k") and not pool.publish(b, b"k")  # b is a duplicate
     with pytest.raises(ValueError):
         pool.share(3)  # a free block
-    pool.release([a])
-    assert pool.reset_cache() == 1 and pool.lookup(b"k") is None
-    assert pool.num_free == 3  # a went back to the free list
+    pool.release([c])
+    d, e = pool.allocate(2)
+    assert pool.publish(d, b"e", after=7) and pool.publish(e, b"e", after=8)
+    assert pool.lookup(b"e", 8) == (e, True) and pool.lookup(b"e", 9) in ((d, False), (e, False))
+    assert pool.num_cached == 3
+    pool.release([a, d, e])
+    assert pool.reset_cache() == 3 and pool.lookup(b"k") is None and pool.num_cached == 0
+    assert pool.num_free == 4  # a, d and e went back to the free list
     pool.release([b])
-    assert pool.num_free == 4
+    assert pool.num_free == 5
 
 
 def test_cached_run_and_the_token_after_each_block():
@@ -62,16 +67,29 @@ def test_cached_run_and_the_token_after_each_block():
     seq = [5, 6, 7, 8, 9, 10]
     assert kv.allocate("a", 6)
     keys = kv.block_keys("a", tokens_of(seq), 3)
-    kv.publish("a", keys[:2], after=[7, 9].__getitem__)
+    kv.publish("a", keys[:2])
     blocks, exact = kv.cached_run(keys)
     assert blocks == kv.block_table("a")[:2] and exact
-    blocks, exact = kv.cached_run(keys, lambda i: seq[(i + 1) * 2])
-    assert len(blocks) == 2 and exact
+    kv.free("a")
+    kv.reset_prefix_cache()
+    assert kv.allocate("b", 6)
+    kv.publish("b", keys[:2], after=[7, 9].__getitem__)
+
+    def nxt(i: int) -> int | None:
+        return seq[(i + 1) * 2] if (i + 1) * 2 < len(seq) else None
+
+    blocks, exact = kv.cached_run(keys, nxt)
+    assert blocks == kv.block_table("b")[:2] and exact
     # a sequence with another token after block 1: the run ends there, not exact
-    blocks, exact = kv.cached_run(keys, lambda i: 99 if i == 1 else seq[(i + 1) * 2])
+    blocks, exact = kv.cached_run(keys, lambda i: 99 if i == 1 else nxt(i))
     assert len(blocks) == 2 and not exact
     blocks, exact = kv.cached_run(keys, lambda i: 99)
     assert len(blocks) == 1 and not exact
+    # a block of its own for that other token: published beside the first, found after
+    assert kv.allocate("c", 4)
+    kv.publish("c", keys[:2], after=[7, 99].__getitem__)
+    blocks, exact = kv.cached_run(keys, lambda i: 99 if i == 1 else nxt(i))
+    assert blocks == [kv.block_table("b")[0], kv.block_table("c")[1]] and exact
 
 
 def test_take_copy_on_write_and_the_rollback_guard():

@@ -202,3 +202,27 @@ def test_planted_publication_bugs_are_caught(monkeypatch, plant):
             except (AssertionError, RuntimeError):
                 caught += 1
     assert caught >= 3, caught
+
+
+@pytest.mark.parametrize(("draft_input", "k", "start"), [("none", 0, 12), ("features", 2, 11)])
+def test_a_request_waits_for_the_blocks_another_is_computing(draft_input, k, start):
+    """Two prompts on one uncached prefix arrive together: the second lets an unrelated
+    request go first and waits until the first has published the prefix (one step more with
+    an EAGLE head, which catches up a step after the target), then starts on it."""
+    sched, kv, w = make(k=k, draft_input=draft_input)
+    shared = list(range(1, 13))  # three full blocks
+    for rid, prompt in (("a", [*shared, 50]), ("b", [*shared, 60]), ("c", [70, 71])):
+        sched.add_request(req(rid, prompt))
+    steps = 0
+    while True:
+        plan = sched.schedule()
+        steps += 1
+        b = next((r for r in plan.requests if r.request_id == "b"), None)
+        if steps == 1:
+            assert [r.request_id for r in plan.requests] == ["a", "c"]
+        sched.update(plan, w.step(plan))
+        if b is not None:
+            break
+    assert b.target_start == start and steps == (2 if draft_input == "none" else 3)
+    w.run()
+    assert all_blocks_back(kv)

@@ -29,7 +29,8 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._key_of: list[bytes | None] = [None] * num_blocks
         self._after: list[int | None] = [None] * num_blocks  # see ``publish``
-        self._by_key: dict[bytes, int] = {}
+        self._cache: dict[bytes, dict[int | None, int]] = {}  # key -> token after -> block
+        self._num_cached = 0
         self.num_evictions = 0
 
     @property
@@ -44,7 +45,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Published blocks, owned or idle."""
-        return len(self._by_key)
+        return self._num_cached
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
@@ -89,20 +90,30 @@ class BlockPool:
 
     # ---- the prefix cache --------------------------------------------------------------------
     def publish(self, block: int, key: bytes, after: int | None = None) -> bool:
-        """Make an owned block findable under ``key`` (its contents' identity); False when the
-        key already names another block, or this block already has a key. ``after``: the token
-        after the block's last position, for a drafter whose cache there depends on it."""
+        """Make an owned block findable under ``key`` (its contents' identity) and ``after``:
+        the token after the block's last position, for a drafter whose cache there depends on
+        it (None: no such drafter). False when another block is published under both, or this
+        block already is."""
         if self._ref_counts[block] == 0:
             raise ValueError(f"block {block} is not owned and cannot be published")
-        if key in self._by_key or self._key_of[block] is not None:
+        entries = self._cache.setdefault(key, {})
+        if after in entries or self._key_of[block] is not None:
             return False
-        self._by_key[key] = block
+        entries[after] = block
         self._key_of[block] = key
         self._after[block] = after
+        self._num_cached += 1
         return True
 
-    def lookup(self, key: bytes) -> int | None:
-        return self._by_key.get(key)
+    def lookup(self, key: bytes, after: int | None = None) -> tuple[int, bool] | None:
+        """A block published under ``key``, and whether it was published with ``after``
+        (else it is one published with another token after it); None if there is none."""
+        entries = self._cache.get(key)
+        if not entries:
+            return None
+        if after in entries:
+            return entries[after], True
+        return next(iter(entries.values())), False
 
     def key_of(self, block: int) -> bytes | None:
         return self._key_of[block]
@@ -113,10 +124,12 @@ class BlockPool:
     def reset_cache(self) -> int:
         """Forget every key: idle blocks become free, owned ones stay with their owners but can
         no longer be found. Returns how many blocks were published."""
-        n = len(self._by_key)
-        for b in list(self._by_key.values()):
-            self._key_of[b] = self._after[b] = None
-        self._by_key.clear()
+        n = self._num_cached
+        for entries in self._cache.values():
+            for b in entries.values():
+                self._key_of[b] = self._after[b] = None
+        self._cache.clear()
+        self._num_cached = 0
         self._free.extend(self._idle)
         self._idle.clear()
         return n
@@ -124,5 +137,9 @@ class BlockPool:
     def _unpublish(self, block: int) -> None:
         key = self._key_of[block]
         if key is not None:
-            del self._by_key[key]
+            entries = self._cache[key]
+            del entries[self._after[block]]
+            if not entries:
+                del self._cache[key]
             self._key_of[block] = self._after[block] = None
+            self._num_cached -= 1

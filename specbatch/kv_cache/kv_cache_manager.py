@@ -140,16 +140,17 @@ class KVCacheManager:
         self, keys: Sequence[bytes], token_after: Callable[[int], int | None] | None = None
     ) -> tuple[list[int], bool]:
         """The published blocks of the longest leading run of ``keys``. With ``token_after``
-        (block index -> the sequence's token after that block, None when unknown), the run also
-        ends at the first block that was published with another token after it; the flag says
-        whether the run's last block matched there (always True without ``token_after``)."""
+        (block index -> the sequence's token after that block, None when unknown), each block
+        is looked for with that token after it, and the run ends at the first one found only
+        with another; the flag says whether the run's last block matched there (always True
+        without ``token_after``)."""
         blocks: list[int] = []
         for i, key in enumerate(keys):
-            b = self.pool.lookup(key)
-            if b is None:
+            found = self.pool.lookup(key, None if token_after is None else token_after(i))
+            if found is None:
                 break
-            blocks.append(b)
-            if token_after is not None and self.pool.token_after(b) != token_after(i):
+            blocks.append(found[0])
+            if not found[1]:
                 return blocks, False
         return blocks, True
 
@@ -188,7 +189,7 @@ class KVCacheManager:
         """Publish the request's first ``len(keys)`` blocks under ``keys``: every slot in them
         holds the K/V of a verified token in every model's cache. ``after(i)``: the token after
         block i, for a drafter whose cache at a block's last slot depends on it (EAGLE). A
-        block whose key another block already has stays unpublished (a duplicate)."""
+        block whose key (and token after) another block already has stays unpublished."""
         table = self._tables[request_id]
         start = self._published.get(request_id, 0)
         for i in range(start, len(keys)):

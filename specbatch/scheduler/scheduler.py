@@ -27,6 +27,7 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
+from specbatch.scheduler.prefix_sharing import PrefixSharing
 from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 
@@ -79,21 +80,20 @@ class Scheduler:
         self._forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork it
         self._fork_of: dict[str, str] = {}  # a waiting fork -> the request it shares blocks of
         self._sampled_once: set[str] = set()  # fork sources that sampled once, not yet ready
-        self._copies: list[tuple[int, int]] = []  # this step's copy-on-write blocks
-        self._cache_stats = [0, 0]  # this step's prefix-cache queries and hits, in tokens
+        self.prefix = PrefixSharing(kv_cache, self.draft_input) if kv_cache.caching else None
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
         """Queue a request. With ``fork_of`` (a request of the same prompt, e.g. another of
         ``n`` completions) it waits until that one's target and drafter have processed the
-        prompt's full blocks, then shares those blocks (through the prefix cache when it is
-        on) and computes only the rest."""
+        prompt's full blocks, then shares those blocks and computes only the rest. With the
+        prefix cache on, every request does so (``PrefixSharing``): ``fork_of`` adds nothing."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         source = self.requests.get(fork_of) if fork_of is not None else None
-        if source is not None and self._shareable(source) > 0:
+        if source is not None and self.prefix is None and self._shareable(source) > 0:
             self._forks.setdefault(source.request_id, []).append(request)
         else:
             self.waiting.append(request)
@@ -141,9 +141,11 @@ class Scheduler:
             self._admit(chosen, budget)
 
         out = SchedulerOutput(num_preempted=preempted, finished_request_ids=self._forget)
-        out.block_copies, self._copies = self._copies, []
-        out.prefix_cache_queries, out.prefix_cache_hits = self._cache_stats
-        self._forget, self._cache_stats = [], [0, 0]
+        if self.prefix is not None:
+            out.block_copies, out.prefix_cache_queries, out.prefix_cache_hits = (
+                self.prefix.take_step()
+            )
+        self._forget = []
         now = time.monotonic()
         for req, n in chosen:
             rid = req.request_id
@@ -277,12 +279,18 @@ class Scheduler:
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         """Admit waiting requests in order while blocks, sequence slots and budget last. A
         waiting request holds no block: it takes its cached blocks here (a fork without the
-        prefix cache, its share of its source's blocks)."""
+        prefix cache, its share of its source's blocks). With the prefix cache, a request whose
+        next block another request is computing lets the requests after it go first."""
+        later: list[Request] = []  # waiting for a block another request is computing
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             copy = None
-            if self.kv.caching:
-                shared, copy = self._take_cached(req)
+            if self.prefix is not None:
+                start = self.prefix.start(req)
+                if start is None:
+                    later.append(req)
+                    continue
+                shared, copy = start
             else:
                 shared = self._share_source_blocks(req)
             n = min(self._to_compute(req), budget)
@@ -290,80 +298,16 @@ class Scheduler:
                 if shared:  # give the shared blocks back until it can run
                     self.kv.free(req.request_id)
                     req.num_computed = req.num_draft_computed = 0
+                self.waiting.appendleft(req)
                 break
-            if copy is not None:
-                self._copies.append(copy)
-            if self.kv.caching and self._queries_cache(req) and not req.num_preemptions:
-                req.num_cached_tokens = req.num_computed
-                self._cache_stats[0] += req.num_tokens
-                self._cache_stats[1] += req.num_computed
-            self.waiting.popleft()
+            if self.prefix is not None:
+                self.prefix.admitted(req, copy)
             self._fork_of.pop(req.request_id, None)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
-
-    @staticmethod
-    def _queries_cache(req: Request) -> bool:
-        """Whether a request may start on cached blocks: not one that asks for its prompt's
-        logprobs, which only computing the prompt gives."""
-        return req.sampling_params.prompt_logprobs is None
-
-    def _take_cached(self, req: Request) -> tuple[int, tuple[int, int] | None]:
-        """Start a waiting request's table on the longest run of cached blocks of its tokens;
-        returns the slots taken and the block to copy, if any (``copy_on_write``).
-
-        The request resumes at the end of the run, less what it must compute itself: the last
-        prompt token (its logits), or for a resumed request the last two tokens (it decodes
-        its last token as it did before, drafts and all); and, with an EAGLE head, the last
-        token of a run whose last block was published with another token after it (the head's
-        K/V there read that token): the target recomputes its feature, which the head then
-        reads with the request's own next token. The block holding the first position it
-        computes is copied first when it is cached."""
-        if not self._queries_cache(req):
-            return 0, None
-        kv, bs, n = self.kv, self.kv.block_size, req.num_tokens
-        keys = kv.block_keys(req.request_id, req.token_slice, n // bs)
-        after = None
-        if self.draft_input == "features":
-
-            def after(i: int) -> int | None:
-                p = (i + 1) * bs
-                return req.token_slice(p, p + 1)[0] if p < n else None
-
-        blocks, exact = kv.cached_run(keys, after)
-        limit = n - 2 if req.output_token_ids else n - 1
-        resume = max(0, min(len(blocks) * bs - (not exact), limit))
-        kept = blocks[: -(-resume // bs)]
-        if not kept:
-            return 0, None
-        kv.take_cached(req.request_id, kept)
-        copy = None
-        if resume % bs:
-            copy = kv.copy_on_write(req.request_id, len(kept) - 1)
-            if copy is None:
-                kv.free(req.request_id)
-                return 0, None
-        req.num_computed = req.num_draft_computed = resume
-        return resume, copy
-
-    def _publish(self, req: Request) -> None:
-        """Publish the request's full blocks that both caches now hold (verified tokens only:
-        ``num_computed`` and ``num_draft_computed`` count no draft)."""
-        bs = self.kv.block_size
-        known = req.num_tokens - (self.draft_input == "features")  # see ``after`` below
-        full = min(self._filled(req), known) // bs
-        if full <= self.kv.num_published(req.request_id):
-            return
-        keys = self.kv.block_keys(req.request_id, req.token_slice, full)
-        after = None
-        if self.draft_input == "features":  # known: the head read it at the block's end
-
-            def after(i: int) -> int:
-                return req.token_slice((i + 1) * bs, (i + 1) * bs + 1)[0]
-
-        self.kv.publish(req.request_id, keys, after)
+        self.waiting.extendleft(reversed(later))
 
     def _share_source_blocks(self, req: Request) -> int:
         """For a fork: share the full prompt blocks its source's caches hold now (none if the
@@ -382,6 +326,8 @@ class Scheduler:
         """Recompute-style preemption: drop the request's cache and requeue it at the front."""
         if req.request_id in self._forks:
             self._fork_waiting(req)
+        if self.prefix is not None:
+            self.prefix.release(req)
         self.kv.free(req.request_id)
         req.num_computed = 0
         req.num_draft_computed = 0
@@ -410,8 +356,8 @@ class Scheduler:
             if not sr.sample:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)
-                if self.kv.caching:
-                    self._publish(req)
+                if self.prefix is not None:
+                    self.prefix.publish(req, self._filled(req))
                 continue
             r = result.results[sr.request_id]
             req.num_computed = base + r.num_accepted
@@ -434,8 +380,8 @@ class Scheduler:
                     req.output_logprobs.append(r.logprobs[k])
                 if self.stop_checker.append(req, tok):
                     break
-            if self.kv.caching:  # the accepted tokens are the request's now
-                self._publish(req)
+            if self.prefix is not None:  # the accepted tokens are the request's now
+                self.prefix.publish(req, self._filled(req))
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)
@@ -481,6 +427,8 @@ class Scheduler:
         if req.request_id in self._forks:
             self._fork_waiting(req)
         self._fork_of.pop(req.request_id, None)
+        if self.prefix is not None:
+            self.prefix.release(req)
         self.kv.free(req.request_id)
         self.kv.forget(req.request_id)
         del self.requests[req.request_id]
