@@ -39,9 +39,10 @@ class Clock:
     """Seconds spent inside wrapped functions, by phase; nested phases are subtracted from
     the phase that encloses them, so the phases add up to the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._stack: list[list[Any]] = []
+        self.now = now
 
     def wrap(self, owner: Any, name: str, phase: str) -> Callable[[], None]:
         original = getattr(owner, name)
@@ -49,11 +50,11 @@ class Clock:
         def timed(*args: Any, **kwargs: Any) -> Any:
             frame = [phase, 0.0]
             self._stack.append(frame)
-            t0 = time.perf_counter()
+            t0 = self.now()
             try:
                 return original(*args, **kwargs)
             finally:
-                dt = time.perf_counter() - t0
+                dt = self.now() - t0
                 self._stack.pop()
                 self.seconds[phase] += dt - frame[1]
                 if self._stack:
@@ -73,7 +74,15 @@ def instrumented(clock: Clock) -> Iterator[None]:
     from specbatch.model.layers import attention, cpu_attention
     from specbatch.model.llama import LlamaForCausalLM
     from specbatch.scheduler.scheduler import Scheduler
-    from specbatch.worker import model_runner, rejection_sampler, sampler, worker
+    from specbatch.worker import (
+        draft_loop,
+        model_runner,
+        rejection_sampler,
+        round_layout,
+        sampler,
+        tree_verify,
+        worker,
+    )
 
     wraps = [
         (LLMEngine, "step", "engine"),
@@ -93,12 +102,14 @@ def instrumented(clock: Clock) -> Iterator[None]:
         (cpu_attention.CpuAttentionBackend, "forward", "attention"),
         (attention.TorchAttentionBackend, "forward", "attention"),
     ]
-    for module in (worker, rejection_sampler):
-        for name in ("logits_to_probs", "sample", "rejection_sample", "greedy_verify"):
+    for module in (worker, rejection_sampler, draft_loop, tree_verify):
+        for name in ("logits_to_probs", "sample", "rejection_sample", "greedy_verify",
+                     "verify_tree"):  # fmt: skip
             if hasattr(module, name):
                 wraps.append((module, name, "sampling"))
-    for name in ("build_inputs",):
-        for module in (worker, model_runner):
+    wraps.append((round_layout.RoundLayout, "build", "inputs"))
+    for name in ("build_inputs", "beam_inputs"):
+        for module in (draft_loop, model_runner):
             if hasattr(module, name):
                 wraps.append((module, name, "inputs"))
     del sampler
@@ -149,7 +160,9 @@ def best_linear_rate(rows: int, engine: Any, dtype: str) -> float:
     return best
 
 
-def profile_cell(batch: int, k: int, steps: int, dtype: str, prompts: list[list[int]]) -> dict:
+def profile_cell(
+    batch: int, k: int, steps: int, dtype: str, prompts: list[list[int]], now: Callable[[], float]
+) -> dict:
     from specbatch import LLM, SamplingParams
 
     llm = LLM(num_speculative_tokens=k, dtype=dtype, max_model_len=512, max_num_seqs=batch)
@@ -159,13 +172,13 @@ def profile_cell(batch: int, k: int, steps: int, dtype: str, prompts: list[list[
         engine.add_request({"prompt_token_ids": p}, params)
     for _ in range(8):  # prefill and warm-up
         engine.step()
-    clock = Clock()
+    clock = Clock(now)
     tokens = 0
     with instrumented(clock):
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(steps):
             tokens += sum(1 for _ in engine.step())  # requests that emitted
-        wall = time.perf_counter() - t0
+        wall = now() - t0
     emitted = (
         engine.metrics.num_generated_tokens
         if hasattr(engine.metrics, "num_generated_tokens")
@@ -203,6 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS_DIR / "step_profile.json"))
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU time (steadier on a machine other jobs share)",
+    )
     args = ap.parse_args(argv)
     set_threads(args.threads)
 
@@ -219,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     cells = []
     for b in args.batch_sizes:
         for k in args.draft_lengths:
-            cells.append(profile_cell(b, k, args.steps, args.dtype, prompts))
+            now = time.process_time if args.clock == "cpu" else time.perf_counter
+            cells.append(profile_cell(b, k, args.steps, args.dtype, prompts, now))
             c = cells[-1]
             print(f"batch {b} k {k}: {c['step_ms']:.2f} ms a step", flush=True)
     headers = ["batch", "k", "step ms", *PHASES, "bound"]

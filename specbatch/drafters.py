@@ -18,6 +18,7 @@ class DrafterKind:
     needs_model: bool  # speculative_config's "model" is its checkpoint
     implementation: str  # "module:Class" of its ``Drafter``
     reads_features: bool = False  # it reads the target's features (an EAGLE head)
+    samples: bool = True  # it draws its drafts from a distribution q (a lookup chooses them)
 
     def load(self) -> Any:
         module, name = self.implementation.split(":")
@@ -37,6 +38,7 @@ DRAFTERS: dict[str, DrafterKind] = {
                     "specbatch.worker.draft_model_proposer:DraftModelProposer"),
         DrafterKind("eagle", "features", True, _EAGLE, reads_features=True),
         DrafterKind("eagle3", "features", True, _EAGLE, reads_features=True),
-        DrafterKind("ngram", "none", False, "specbatch.worker.ngram_proposer:NgramProposer"),
+        DrafterKind("ngram", "none", False, "specbatch.worker.ngram_proposer:NgramProposer",
+                    samples=False),
     )
 }  # fmt: skip

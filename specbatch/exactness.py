@@ -1,21 +1,22 @@
 """A statistical check that speculative decoding is exact on a model pair (``specbatch verify``).
 
 Speculative decoding must leave the target's output distribution unchanged, whatever the draft
-(THEORY.md). ``verify_exactness`` samples ``num_samples`` continuations of ``num_tokens`` tokens
-of one prompt with speculation (target + draft) and as many without it (the target alone), each
-request with its own seed, counts whole sequences, and runs a chi-square homogeneity test on
-the two tables of counts. Under exactness the p-value is uniform, so the test fails by chance
-with probability ``alpha``.
+(THEORY.md). ``verify_exactness`` builds the engine as configured (by default the built-in target
+with its EAGLE head and the engine's draft length k), samples ``num_samples`` continuations of
+one prompt with it and as many from the same target with speculation off, each request with its
+own seed, and compares the two samples token by token (``specbatch.sequence_stats``).
 
-The first token of every request comes from the prompt pass, without the draft, and a round
-never proposes past ``max_tokens``: with ``num_tokens`` L the draft proposes at most L - 2
-tokens a round, so ``L >= k + 2`` is needed to exercise every draft position.
+The first token of every request comes from the prompt pass, and a round never proposes past
+``max_tokens``: continuations of k + 2 tokens (the default) let the first round propose all k
+drafts and its bonus token, so every draft position is exercised. By default the number of
+samples is what catches a total-variation difference of ``TARGET_TV`` with probability
+``POWER`` at every token. With temperature 0 the comparison is exact: a sequence seen on one
+side and not on the other fails.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,17 +24,21 @@ from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 from specbatch.exactness_report import (
-    MIN_EXPECTED,
-    POWER,
+    TARGET_TV,
     RunStats,
     VerifyReport,
     add_notes,
     format_report,
 )
 from specbatch.sampling_params import SamplingParams
-from specbatch.stats import chi_square_two_sample, detectable_tv
+from specbatch.sequence_stats import compare_positions, samples_for
 
-DEFAULT_TEXT_PROMPT = "Once upon a time"
+DEFAULT_TEXT_PROMPT = "import os\nimport sys\n"
+NO_DRAFTER = (
+    "model: speculation is off for this target: give its drafter too (draft_model or "
+    "speculative_config), or no model to check the built-in pair"
+)
+RESERVED = ("model", "draft_model", "num_speculative_tokens", "seed", "speculative_config")
 
 
 def _check(name: str, ok: bool, limit: str, value: Any) -> None:
@@ -58,10 +63,11 @@ def _sample(
     params: Sequence[SamplingParams],
     desc: str | None,
 ) -> RunStats:
-    """Add every request, step until all finish, count the output sequences."""
+    """Add every request, step until all finish, keep the output sequences in request order."""
     ids = [engine.add_request(list(prompt_ids), p) for p in params]
+    order = {rid: i for i, rid in enumerate(ids)}
+    seqs: list[tuple[int, ...] | None] = [None] * len(ids)
     pending = set(ids)
-    counts: Counter[tuple[int, ...]] = Counter()
     max_draft = 0
     bar = None
     if desc is not None:
@@ -76,7 +82,7 @@ def _sample(
             for out in engine.step():
                 if out.finished and out.request_id in pending:
                     pending.discard(out.request_id)
-                    counts[tuple(out.outputs[0].token_ids)] += 1
+                    seqs[order[out.request_id]] = tuple(out.outputs[0].token_ids)
                     max_draft = max([max_draft, *out.metrics.draft_lengths])
                     if bar is not None:
                         bar.update(1)
@@ -89,7 +95,7 @@ def _sample(
     seconds = time.perf_counter() - start
     s = engine.metrics.summary()
     return RunStats(
-        counts=counts,
+        seqs=[s for s in seqs if s is not None],
         seconds=seconds,
         acceptance_rate=s["acceptance_rate"],  # type: ignore[arg-type]
         mean_tokens_per_round=s["mean_tokens_per_round"],  # type: ignore[arg-type]
@@ -98,18 +104,36 @@ def _sample(
     )
 
 
+def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool]:
+    """What the engine speculates with: a description, its draft length k and whether k is
+    ``auto``'s maximum; refuses an engine that does not speculate (``asked``: the draft length
+    the caller gave)."""
+    cfg = engine.config
+    if not cfg.speculative:
+        if asked == 0:
+            raise InvalidInputError(
+                "num_speculative_tokens: verify needs speculation on (an integer >= 1 or auto)"
+            )
+        raise InvalidInputError(NO_DRAFTER)
+    where = cfg.draft.path if cfg.draft is not None else "prompt lookup"
+    return f"{cfg.spec_method}: {where}", cfg.num_speculative_tokens, cfg.adaptive_speculation
+
+
 def verify_exactness(
-    model: str,
+    model: str | None = None,
     draft_model: str | None = None,
     *,
-    speculative_config: Mapping[str, Any] | None = None,
-    num_speculative_tokens: int = 4,
-    num_samples: int = 2000,
-    num_tokens: int = 3,
+    speculative_config: Mapping[str, Any] | str | None = None,
+    num_speculative_tokens: int | str | None = None,
+    num_samples: int | None = None,
+    num_tokens: int | None = None,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     alpha: float = 1e-3,
@@ -118,67 +142,79 @@ def verify_exactness(
     reference_model: str | None = None,
     progress: bool = False,
 ) -> VerifyReport:
-    """Compare ``num_samples`` speculative samples with as many plain samples of the target.
+    """Compare speculative samples with as many plain samples of the target.
 
-    The drafter is ``draft_model``, or ``speculative_config`` (any method; its
-    ``num_speculative_tokens`` wins over the argument).
-    ``engine_kwargs`` are further ``EngineArgs`` fields for both engines (dtype, device,
-    num_kv_blocks, max_model_len, ...). ``reference_model`` (default: ``model``) is the model of
-    the plain run; pointing it at another model is how the test itself is tested. Speculative
-    request ``i`` uses seed ``seed * 2 * num_samples + i`` and plain request ``i`` seed
-    ``... + num_samples + i``, so no two requests share a random stream.
+    ``model``, ``draft_model``, ``speculative_config`` and ``num_speculative_tokens`` mean what
+    they mean to ``EngineArgs`` (none given: the built-in pair as the engine runs it by
+    default); ``engine_kwargs`` are further ``EngineArgs`` fields for both engines (dtype,
+    device, num_kv_blocks, max_model_len, ...). ``num_tokens`` defaults to k + 2 and
+    ``num_samples`` to what catches a total-variation difference of ``TARGET_TV`` at every
+    token. ``reference_model`` (default: the target) is the model of the plain run; pointing
+    it at another model is how the test itself is tested. Speculative request ``i`` uses seed
+    ``seed * 2 * num_samples + i`` and plain request ``i`` seed ``... + num_samples + i``, so
+    no two requests share a random stream.
     Raises ``InvalidInputError`` for bad arguments (and whatever the engines raise).
     """
-    _check("num_samples", _is_int(num_samples) and num_samples >= 1, "an integer >= 1", num_samples)
+    _check(
+        "num_samples",
+        num_samples is None or (_is_int(num_samples) and num_samples >= 1),
+        "an integer >= 1",
+        num_samples,
+    )
     _check(
         "tokens",
-        _is_int(num_tokens) and num_tokens >= 2,
+        num_tokens is None or (_is_int(num_tokens) and num_tokens >= 2),
         "an integer >= 2 (the first token comes from the prompt pass, never from the draft)",
         num_tokens,
     )
     _check("alpha", isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0, "in (0, 1)", alpha)
     _check("seed", _is_int(seed) and seed >= 0, "an integer >= 0", seed)
-    _check(
-        "num_speculative_tokens",
-        _is_int(num_speculative_tokens) and num_speculative_tokens >= 1,
-        "an integer >= 1",
-        num_speculative_tokens,
-    )
     if prompt is not None and prompt_token_ids is not None:
         raise InvalidInputError("prompt: give a prompt text or prompt_token_ids, not both")
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    if model is not None and draft_model is None and speculative_config is None:
+        raise InvalidInputError(NO_DRAFTER)  # only the built-in target has drafters of its own
+    sampling = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty,
+    }
     SamplingParams(**sampling)  # check the values before loading anything
-    extra = dict(engine_kwargs or {})
-    for reserved in (
-        "model",
-        "draft_model",
-        "num_speculative_tokens",
-        "seed",
-        "speculative_config",
-    ):
-        extra.pop(reserved, None)
-    if (draft_model is None) == (speculative_config is None):
-        raise InvalidInputError("verify: give a draft_model or a speculative_config (one)")
-    drafter = dict(speculative_config or {"method": "draft_model", "model": draft_model})
-    drafter.setdefault("num_speculative_tokens", num_speculative_tokens)
-    num_speculative_tokens = drafter["num_speculative_tokens"]
-
-    def params(first_seed: int) -> list[SamplingParams]:
-        return [
-            SamplingParams(
-                **sampling,
-                max_tokens=num_tokens,
-                ignore_eos=True,
-                seed=(first_seed + i) % (1 << 63),
-            )
-            for i in range(num_samples)
-        ]
-
-    base = seed * 2 * num_samples
+    extra = {k: v for k, v in (engine_kwargs or {}).items() if k not in RESERVED}
     spec_engine = LLMEngine.from_engine_args(
-        EngineArgs(model=model, speculative_config=drafter, seed=seed, **extra)
+        EngineArgs(
+            model=model,
+            draft_model=draft_model,
+            speculative_config=(
+                dict(speculative_config)
+                if isinstance(speculative_config, Mapping)
+                else speculative_config
+            ),
+            num_speculative_tokens=num_speculative_tokens,
+            seed=seed,
+            **extra,
+        )
     )
     try:
+        drafter, k, adaptive = _drafter(spec_engine, num_speculative_tokens)
+        length = num_tokens if num_tokens is not None else k + 2
+        n = num_samples if num_samples is not None else samples_for(TARGET_TV, length, alpha)
+
+        def params(first_seed: int) -> list[SamplingParams]:
+            return [
+                SamplingParams(
+                    **sampling,
+                    max_tokens=length,
+                    ignore_eos=True,
+                    seed=(first_seed + i) % (1 << 63),
+                )
+                for i in range(n)
+            ]
+
+        base = seed * 2 * n
         if prompt is None and prompt_token_ids is None:
             given: str | list[int] = _default_prompt(spec_engine)
         else:
@@ -186,51 +222,35 @@ def verify_exactness(
         field_name = "prompt_token_ids" if isinstance(given, list) else "prompt"
         text, ids = spec_engine.prepare_prompt(given, field=field_name)
         spec = _sample(spec_engine, ids, params(base), "speculative" if progress else None)
+        target = spec_engine.config.target.path
     finally:
         spec_engine.shutdown()
+    reference = reference_model or model
     plain_engine = LLMEngine.from_engine_args(
-        EngineArgs(model=reference_model or model, seed=seed, **extra)
+        EngineArgs(model=reference, num_speculative_tokens=0, seed=seed, **extra)
     )
     try:
         plain_engine.prepare_prompt(ids, field="prompt_token_ids")
-        plain = _sample(
-            plain_engine, ids, params(base + num_samples), "plain" if progress else None
-        )
+        plain = _sample(plain_engine, ids, params(base + n), "plain" if progress else None)
     finally:
         plain_engine.shutdown()
 
-    result = chi_square_two_sample(spec.counts, plain.counts, min_expected=MIN_EXPECTED)
     report = VerifyReport(
-        model=str(model),
-        draft_model=f"{drafter['method']}: {drafter.get('model') or 'built-in'}",
-        reference_model=str(reference_model or model),
-        num_speculative_tokens=num_speculative_tokens,
+        model=target,
+        draft_model=drafter,
+        reference_model=target if reference_model is None else str(reference_model),
+        num_speculative_tokens=k,
+        adaptive=adaptive,
         prompt=text,
         prompt_token_ids=list(ids),
-        num_samples=num_samples,
-        num_tokens=num_tokens,
+        num_samples=n,
+        num_tokens=length,
         sampling=sampling,
         alpha=float(alpha),
         seed=seed,
-        distinct_speculative=len(spec.counts),
-        distinct_plain=len(plain.counts),
-        distinct_total=len(set(spec.counts) | set(plain.counts)),
-        bins=result.bins,
-        statistic=result.statistic,
-        dof=result.dof,
-        p_value=result.p_value,
-        pooled_mass=result.pooled_mass,
-        detectable_tv=(
-            detectable_tv(num_samples / 2, result.dof, alpha, POWER) + result.pooled_mass
-            if result.dof > 0
-            else None
-        ),
-        acceptance_rate=spec.acceptance_rate,
-        mean_tokens_per_round=spec.mean_tokens_per_round,
-        spec_rounds=spec.spec_rounds,
-        max_draft_len=spec.max_draft_len,
-        speculative_seconds=spec.seconds,
-        plain_seconds=plain.seconds,
+        speculative=spec,
+        plain=plain,
+        comparison=None if temperature == 0 else compare_positions(spec.seqs, plain.seqs, alpha),
     )
     add_notes(report)
     return report

@@ -1,30 +1,32 @@
-"""Small, dependency-free statistics for testing that speculative decoding is exact.
+"""Chi-square tests for checking that speculative decoding is exact, on ``scipy.stats``.
 
-Used by the test suite and by `specbatch verify`: a chi-square goodness-of-fit test (samples vs a
-known distribution), a chi-square homogeneity test (two samples, e.g. whole token sequences from
-speculative and from plain decoding) and the total-variation distance. p-values come from
-`torch.special.gammaincc`, so scipy is not needed at run time.
+Used by the test suite and by ``specbatch verify``: goodness of fit (samples against a known
+distribution), homogeneity (two samples, e.g. token sequences with and without speculation),
+their power against a total-variation difference, and the total-variation distance itself.
 
-Both tests pool the categories whose expected count is below `min_expected` into one bin, so
+Both tests pool the categories whose expected count is below ``min_expected`` into one bin, so
 that the chi-square approximation holds; a pooled bin that is itself too small is merged into
 the smallest regular bin.
 
 Power: any distribution q at total-variation distance d from p has a chi-square divergence
 sum (q - p)^2 / p >= 4 d^2 (Cauchy-Schwarz), equality for the hardest alternative (mass moved
 by a factor 1 +- 2d between two halves of p). With n samples the Pearson statistic is then
-asymptotically noncentral chi-square with noncentrality >= 4 n d^2, so `power` is a lower bound
+asymptotically noncentral chi-square with noncentrality >= 4 n d^2, so ``power`` is a lower bound
 on the probability of catching ANY error of total variation d on the test's bins. A difference
-inside the pooled bin is invisible: over the categories the test catches d + `pooled_mass`.
+inside the pooled bin is invisible: over the categories the test catches d + ``pooled_mass``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy import optimize
+from scipy import stats as sps
 
 
 @dataclass
@@ -36,40 +38,6 @@ class ChiSquareResult:
     pooled_mass: float = 0.0  # expected share of the bin that holds the pooled categories
 
 
-def chi_square_sf(statistic: float, dof: int) -> float:
-    """P(X >= statistic) for X ~ chi-square(dof): the regularized upper incomplete gamma."""
-    if dof <= 0:
-        return 1.0
-    if math.isinf(statistic):
-        return 0.0
-    a = torch.tensor(dof / 2.0, dtype=torch.float64)
-    x = torch.tensor(max(statistic, 0.0) / 2.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(a, x))
-
-
-def chi_square_isf(alpha: float, dof: int) -> float:
-    """The critical value c with P(X >= c) = alpha for X ~ chi-square(dof)."""
-    lo, hi = 0.0, dof + 50.0 * math.sqrt(dof) + 100.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if chi_square_sf(mid, dof) > alpha else (lo, mid)
-    return 0.5 * (lo + hi)
-
-
-def noncentral_chi_square_sf(x: float, dof: int, noncentrality: float) -> float:
-    """P(X >= x) for X noncentral chi-square: a Poisson(noncentrality / 2) mixture of central
-    chi-squares with dof + 2j degrees of freedom."""
-    half = noncentrality / 2.0
-    if half == 0.0:
-        return chi_square_sf(x, dof)
-    spread = 12.0 * math.sqrt(half) + 30.0
-    total = 0.0
-    for j in range(max(0, int(half - spread)), int(half + spread) + 1):
-        weight = math.exp(j * math.log(half) - half - math.lgamma(j + 1))
-        total += weight * chi_square_sf(x, dof + 2 * j)
-    return min(1.0, total)
-
-
 def power(n: float, dof: int, tv: float, alpha: float) -> float:
     """Lower bound (asymptotic) on the probability that a chi-square test with ``dof`` degrees
     of freedom at level ``alpha`` rejects when the truth is at total-variation distance ``tv``
@@ -77,16 +45,27 @@ def power(n: float, dof: int, tv: float, alpha: float) -> float:
     ``n_a * n_b / (n_a + n_b)`` for two samples."""
     if dof <= 0 or tv <= 0:
         return alpha
-    return noncentral_chi_square_sf(chi_square_isf(alpha, dof), dof, 4.0 * n * tv * tv)
+    return float(sps.ncx2.sf(sps.chi2.isf(alpha, dof), dof, 4.0 * n * tv * tv))
+
+
+@functools.lru_cache(maxsize=1024)
+def noncentrality_for(dof: int, alpha: float, probability: float = 0.9) -> float:
+    """The noncentrality at which a chi-square test with ``dof`` degrees of freedom at level
+    ``alpha`` rejects with ``probability``."""
+    critical = sps.chi2.isf(alpha, dof)
+
+    def short(noncentrality: float) -> float:
+        return float(sps.ncx2.sf(critical, dof, noncentrality)) - probability
+
+    high = 1.0
+    while short(high) < 0:
+        high *= 2.0
+    return float(optimize.brentq(short, 0.0, high, xtol=1e-10))
 
 
 def detectable_tv(n: float, dof: int, alpha: float, probability: float = 0.9) -> float:
     """The total-variation distance that ``power`` catches with ``probability``."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if power(n, dof, mid, alpha) < probability else (lo, mid)
-    return hi
+    return math.sqrt(noncentrality_for(dof, alpha, probability) / (4.0 * n))
 
 
 def _pool_columns(expected: np.ndarray, min_expected: float) -> list[np.ndarray]:
@@ -149,10 +128,11 @@ def chi_square_gof(
     groups = _pool_columns(expected, min_expected)
     e = np.array([expected[g].sum() for g in groups])
     o = np.array([obs[g].sum() for g in groups])
-    statistic = float(((o - e) ** 2 / e).sum())
-    dof = len(groups) - 1
     pooled = _pooled_mass(groups, e) / n
-    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups), pooled)
+    if len(groups) == 1:
+        return ChiSquareResult(0.0, 0, 1.0, 1, pooled)
+    statistic, p_value = sps.chisquare(o, e * (o.sum() / e.sum()))
+    return ChiSquareResult(float(statistic), len(groups) - 1, float(p_value), len(groups), pooled)
 
 
 def chi_square_two_sample(
@@ -178,11 +158,13 @@ def chi_square_two_sample(
     expected = np.outer(row_totals, table.sum(axis=0)) / row_totals.sum()
     groups = _pool_columns(expected, min_expected)
     o = np.stack([table[:, g].sum(axis=1) for g in groups], axis=1)
-    e = np.stack([expected[:, g].sum(axis=1) for g in groups], axis=1)
-    statistic = float(((o - e) ** 2 / e).sum())
-    dof = len(groups) - 1
-    pooled = _pooled_mass(groups, e.sum(axis=0)) / row_totals.sum()
-    return ChiSquareResult(statistic, dof, chi_square_sf(statistic, dof), len(groups), pooled)
+    pooled = _pooled_mass(groups, o.sum(axis=0)) / row_totals.sum()
+    if len(groups) == 1:
+        return ChiSquareResult(0.0, 0, 1.0, 1, pooled)
+    result = sps.chi2_contingency(o, correction=False)
+    return ChiSquareResult(
+        float(result.statistic), int(result.dof), float(result.pvalue), len(groups), pooled
+    )
 
 
 def total_variation(
@@ -208,9 +190,4 @@ def total_variation(
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0-100) of ``xs``, linear between order statistics; None if empty."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return float(np.percentile(xs, q)) if len(xs) else None

@@ -3,10 +3,14 @@
 Model checkpoints: ``make_checkpoint(arch="llama", **kwargs)`` writes a tiny random Hugging Face
 checkpoint (see ``specbatch.testing.checkpoints.make_random_checkpoint`` for the arguments) once
 per session and argument set, and returns its directory. Treat the directory as read-only.
+
+CPU kernels: ``kern`` is this machine's build and, where the CPU has AVX-512, the AVX2 build too;
+``attn_kern`` adds the test build of attention's path for AVX512-BF16.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from specbatch.kernels.build import cpu_flags, load_module
+from specbatch.kernels.cpu import CpuKernels, cpu_kernels
 from specbatch.testing.checkpoints import make_random_checkpoint
 
 # The tests run tiny models: one intra-op thread is as fast as two on them, and it keeps the
@@ -39,3 +45,47 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_llama_checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
     """The default tiny Llama (vocab 256, 2 layers, GQA 4/2 heads) with a small tokenizer."""
     return make_checkpoint("llama", with_tokenizer=True)
+
+
+@functools.cache
+def _kernel_build(name: str) -> CpuKernels | None:
+    if name == "native":
+        return cpu_kernels()
+    if name == "avx2":
+        return CpuKernels(load_module(avx2_only=True))
+    return CpuKernels(load_module(defines=("SB_ATTN_PAIRS_TEST",)))
+
+
+_AVX2_BUILD = pytest.param(
+    "avx2",
+    marks=pytest.mark.skipif(
+        "avx512f" not in cpu_flags(), reason="the native build is the AVX2 build here"
+    ),
+)
+_PAIRS_BUILD = pytest.param(
+    "pairs",
+    marks=pytest.mark.skipif(
+        "avx512_bf16" in cpu_flags(), reason="the native build has the dot products of pairs"
+    ),
+)
+
+
+def _kernels_of(name: str) -> CpuKernels:
+    kernels = _kernel_build(name)
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    return kernels
+
+
+@pytest.fixture(params=["native", _AVX2_BUILD])
+def kern(request: pytest.FixtureRequest) -> CpuKernels:
+    """The op-level kernel tests run on this CPU's build and, where it has AVX-512, on the AVX2
+    build too (the same sources with 16-lane vectors as register pairs)."""
+    return _kernels_of(request.param)
+
+
+@pytest.fixture(params=["native", _AVX2_BUILD, _PAIRS_BUILD])
+def attn_kern(request: pytest.FixtureRequest) -> CpuKernels:
+    """``kern``, and for attention also (where the CPU lacks AVX512-BF16) the build of its
+    bfloat16 path on dot products of pairs, run on their two FMAs."""
+    return _kernels_of(request.param)

@@ -8,7 +8,7 @@ random point and wrong after it, and checks on every step what a real step relie
 - every slot a model reads holds the K/V of the request's own tokens (a cached block holding a
   draft, a stale slot or another prompt's K/V fails here);
 - no step writes into a block that is published or has another owner;
-- an EAGLE head catches up only on positions whose target features the previous pass kept;
+- an EAGLE head catches up only on positions whose target features earlier passes kept;
 - every published block of a table is published under the key of that request's tokens.
 """
 
@@ -112,8 +112,17 @@ class ShadowWorker:
                 out.results[sr.request_id] = RequestStepResult(
                     [1000 + base + i for i in range(a + 1)], a, sr.num_draft
                 )
-            self.features[sr.request_id] = (sr.target_start, kept)
+            self._keep_features(sr, kept)
         return out
+
+    def _keep_features(self, sr, rows: list[Content]) -> None:
+        """As the EAGLE proposer: features kept from the positions the head has not read yet
+        (it lags while its request drafts nothing), the new pass's rows after them."""
+        start, kept = self.features.get(sr.request_id, (sr.target_start, []))
+        if start + len(kept) != sr.target_start:  # new, or recomputed from the start
+            start, kept = sr.target_start, []
+        read = max(0, sr.draft_start + len(sr.draft_token_ids) - start)
+        self.features[sr.request_id] = (start + read, kept[read:] + rows)
 
     def run(self, max_steps: int = 20_000) -> dict:
         """Step until every request finished; returns the requests that finished."""

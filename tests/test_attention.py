@@ -221,3 +221,38 @@ def test_tree_masks_match_naive(short_query_max: int, hq: int, hkv: int) -> None
     )
     ref = naive_tree_attention(q, k_cache, v_cache, q_lens, s_lens, tables, scale, visible)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_takes_trees_that_start_before_the_new_rows(dtype: torch.dtype) -> None:
+    """The drafter's passes over a tree: earlier depths' nodes are keys in the cache, masked
+    like the new rows. The CPU kernel against the torch reference, with every sequence's
+    context written by each backend in a first pass."""
+    from specbatch.kernels.cpu import cpu_kernels
+    from specbatch.model.layers.cpu_attention import CpuAttentionBackend
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    hq, hkv, d, scale = 4, 2, 32, 32**-0.5
+    *_, q_lens, s_lens, _visible = tree_batch(hq, hkv, d)
+    q, k, v, _, _, meta, tables = random_paged_batch(q_lens, s_lens, BLOCK_SIZE, hq, hkv, d, 3)
+    ctx = [s - n for s, n in zip(s_lens, q_lens, strict=True)]
+    gen = torch.Generator().manual_seed(5)
+    prefill = [torch.randn(sum(ctx), h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
+    has = [i for i, c in enumerate(ctx) if c]
+    first = AttentionMetadata.from_lists(
+        [ctx[i] for i in has], [ctx[i] for i in has], [tables[i] for i in has], BLOCK_SIZE
+    )
+    _, _, _, _, _, tree_meta, *_ = tree_batch(hq, hkv, d)
+    outs = []
+    for backend in (TorchAttentionBackend(), CpuAttentionBackend(kernels)):
+        shapes = backend.kv_cache_shapes(64, BLOCK_SIZE, hkv, d)
+        k_cache = torch.zeros(shapes[0], dtype=dtype)
+        v_cache = torch.zeros(shapes[1], dtype=dtype)
+        backend.forward(*prefill, k_cache, v_cache, first, scale)
+        meta.tree_starts, meta.tree_masks = tree_meta.tree_starts, tree_meta.tree_masks
+        outs.append(backend.forward(q.to(dtype), k.to(dtype), v.to(dtype), k_cache, v_cache,
+                                    meta, scale).float())  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)

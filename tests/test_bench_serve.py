@@ -72,6 +72,8 @@ def test_parse_rates_and_percentiles() -> None:
 def test_load_no_errors_no_leaks(server: tuple[str, Any]) -> None:
     url, engine = server
     prompts: list[str | list[int]] = list(synthetic_prompts(200, 6, seed=0))
+    spec = engine.engine.metrics.spec
+    before = (spec.proposed, spec.accepted)
     report = asyncio.run(
         run_benchmark(
             url,
@@ -91,9 +93,14 @@ def test_load_no_errors_no_leaks(server: tuple[str, Any]) -> None:
         assert run["request_throughput"] > 0 and run["output_throughput"] > 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert run[key]["p50"] is not None and run[key]["p99"] >= run[key]["p50"]
-        assert run["acceptance_rate"] is not None and 0 <= run["acceptance_rate"] <= 1
+        proposed, accepted = run["draft_tokens_proposed"], run["draft_tokens_accepted"]
+        assert proposed > 0 and run["acceptance_rate"] == pytest.approx(accepted / proposed)
         assert run["kv_blocks_used_after"] == 0
     e = engine.engine
+    # the runs' counters, read from /metrics before and after each, are the engine's own
+    runs = report["runs"]
+    assert sum(r["draft_tokens_proposed"] for r in runs) == e.metrics.spec.proposed - before[0]
+    assert sum(r["draft_tokens_accepted"] for r in runs) == e.metrics.spec.accepted - before[1]
     assert e.num_free_kv_blocks == e.num_kv_blocks and engine.num_in_flight == 0
 
 

@@ -1,20 +1,31 @@
 """The bench's cells run side by side (bench/cell_run.py): each on its own clock, in fair turns,
-with the outputs of a cell run alone, and no KV block left behind when one of them fails."""
+with the outputs of a cell run alone, and no KV block left behind when one of them fails; each
+cell's engine drafts what the cell asks for (bench/engines.py), its passes counted."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from specbatch.bench import cell_run
-from specbatch.bench.cell_run import CellRun, OwnClock, run_cell, run_side_by_side
-from specbatch.bench.offline import BenchConfig, _engine, share_weights
+from specbatch.bench.cell_run import CellRun, OwnClock, PassCounts, run_cell, run_side_by_side
+from specbatch.bench.engines import build_engine, share_weights
+from specbatch.bench.offline import BenchConfig
 from specbatch.bench.workload import Workload
+from specbatch.draft_shape import DraftShape
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.outputs import RequestMetrics
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.draft_controller import DraftController
+from specbatch.scheduler.output import (
+    RequestStepResult,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepResult,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
 
@@ -62,7 +73,7 @@ def engines(make_checkpoint: Callable[..., Path]) -> dict[int, LLMEngine]:
         output_len_spread=0.0,
         engine_kwargs={"device": "cpu"},
     )
-    built = {k: _engine(cfg, k, 4) for k in (0, 2)}
+    built = {k: build_engine(cfg, DraftShape.chain(k), 4) for k in (0, 2)}
     yield built
     for e in built.values():
         e.shutdown()
@@ -96,6 +107,7 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
     share_weights(list(engines.values()))
     assert pointers(engines[2]) == pointers(engines[0])
 
+    start = cell_run.time.monotonic()  # the runs' first turns submit their first requests
     runs = [CellRun(e, workload, 3, 10, GREEDY) for e in engines.values()]
     gaps: list[float] = []  # after every turn: how far apart the live cells' clocks are
     longest = 0.0
@@ -112,7 +124,6 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
                 gaps.append(max(live) - min(live))
 
         run.advance = timed  # type: ignore[method-assign]
-    start = cell_run.time.monotonic()
     results = run_side_by_side(runs)
     elapsed = cell_run.time.monotonic() - start
 
@@ -126,8 +137,14 @@ def test_side_by_side_gives_each_cell_its_own_time_in_fair_turns(
         assert r.wall_s == run.clock.seconds > 0
         assert r.output_tok_s == pytest.approx(r.output_tokens / r.wall_s)
         assert r.num_requests == 10 and r.output_tokens == 10 * 7
-        assert 0 < r.ttft_mean < r.e2e_mean <= r.wall_s
-        assert r.full_batch_tok_s is not None and r.full_batch_tok_s > 0
+        lat = r.latencies
+        assert r.ttft_mean == pytest.approx(statistics.fmean(lat["ttft"]))
+        assert r.e2e_mean == pytest.approx(statistics.fmean(lat["e2e"]))
+        for ttft, tpot, e2e in zip(lat["ttft"], lat["tpot"], lat["e2e"], strict=True):
+            # on the cell's clock: the first token, six gaps of tpot, the end, within the cell
+            assert ttft > 0 and ttft + 6 * tpot <= e2e * (1 + 1e-12) and e2e <= r.wall_s
+        assert run.full_batch is not None
+        assert r.full_batch_tok_s == run.full_batch[1] / run.full_batch[0]
     for e in engines.values():
         assert e.num_free_kv_blocks == e.num_kv_blocks
 
@@ -163,3 +180,55 @@ def test_bench_rejects_an_unknown_interleave() -> None:
 
     with pytest.raises(InvalidInputError, match="interleave must be one of steps, cells"):
         BenchConfig(interleave="rounds").check()
+
+
+def test_each_cell_engine_drafts_what_its_cell_asks(make_checkpoint: Callable[..., Path]) -> None:
+    cfg = BenchConfig(
+        model=str(make_checkpoint("llama", num_layers=2, seed=0)),
+        draft_model=str(make_checkpoint("llama", num_layers=1, seed=1)),
+        draft_lengths=[0, 3, "auto"],
+        trees=[DraftShape(2, 2, 5)],
+        tree_children="top",
+        input_len=6,
+        output_len=7,
+        engine_kwargs={"device": "cpu", "attention_backend": "torch"},
+    )
+    assert cfg.auto_shape == DraftShape(3, 2, 5)
+    built = {str(d): build_engine(cfg, d, 2) for d in cfg.drafts}
+    try:
+        assert list(built) == ["0", "3", "2x2/5", "auto"]
+        assert not built["0"].config.speculative
+        assert built["3"].config.draft_shape == DraftShape.chain(3)
+        tree = built["2x2/5"].config
+        assert tree.draft_shape == DraftShape(2, 2, 5) and tree.tree_children == "top"
+        auto = built["auto"]
+        assert auto.config.adaptive_speculation
+        assert isinstance(auto.scheduler.policy, DraftController)
+        # auto's ladder holds trees of the grid's children per node, up to its deepest cell
+        trees = [s for s in auto.scheduler.policy.shapes if not s.is_chain]
+        assert trees and {s.topk for s in trees} == {2}
+        assert max(s.depth for s in auto.scheduler.policy.shapes) == 3
+        for d, e in zip(cfg.drafts, built.values(), strict=True):
+            assert cell_run.engine_draft(e) == d
+        run = run_cell(built["2x2/5"], _workload(4), 2, 4, GREEDY)
+        assert run.draft == DraftShape(2, 2, 5) and run.spec_rounds > 0
+        assert run.mean_draft_length is not None and run.mean_draft_length > 2  # a tree's nodes
+    finally:
+        for e in built.values():
+            e.shutdown()
+
+
+def test_pass_counts_count_rows_passes_and_a_tree_round_ending_at_a_leaf() -> None:
+    tree = DraftShape(2, 2, 5)
+    sr = ScheduledRequest("r", [7], 10, [7], 10, 5, True, [0], draft_shape=tree)
+    plan = SchedulerOutput(requests=[sr])
+    # the walk passed both levels and ended at a leaf: 2 accepted of 5 nodes, no rejection
+    done = RequestStepResult([1, 2, 3], num_accepted=2, num_proposed=5, rejected=False)
+    passes = [("draft", 1, 0.1), ("draft", 2, 0.1), ("target", 6, 0.3)]
+    counts = PassCounts()
+    counts.on_step(plan, StepResult({"r": done}, passes=passes), 0.5)
+    assert (counts.target_rows, counts.draft_passes) == (6, 2)
+    assert counts.spec.rejections == 0 and counts.spec.alpha == 1.0
+    stopped = RequestStepResult([4], num_accepted=0, num_proposed=5, rejected=True)
+    counts.on_step(plan, StepResult({"r": stopped}, passes=passes), 0.5)
+    assert counts.spec.alpha == pytest.approx(2 / 3) and counts.target_rows == 12

@@ -1,11 +1,9 @@
-"""specbatch's CPU kernels against the pure-torch reference: the matrix multiply, the layer ops,
-and attention over the paged cache on ragged batches of prompts, chunks, decodes and
-verifications, in float32 and bfloat16. Every test fails if a kernel drops or mixes up a row,
-a position, a head or a KV slot."""
+"""specbatch's CPU kernels against the pure-torch reference: the matrix multiply, the layer ops
+and whole models on the kernels, in float32 and bfloat16 (attention: test_cpu_attention.py).
+Every test fails if a kernel drops or mixes up a row, a position or a head."""
 
 from __future__ import annotations
 
-import functools
 import random
 from pathlib import Path
 
@@ -13,45 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels.build import cpu_flags, load_module
 from specbatch.kernels.cpu import CpuKernels, cpu_kernels
 from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specbatch.model.layers.cpu_attention import CpuAttentionBackend
 from specbatch.model.layers.norm import RMSNorm
 from specbatch.model.layers.rotary import RotaryEmbedding
 from specbatch.model.loader import load_model
-from tests.helpers import random_paged_batch
 
 KERNELS = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels do not build here")
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def kernels() -> CpuKernels:
-    assert KERNELS is not None
-    return KERNELS
-
-
-@functools.cache
-def avx2_kernels() -> CpuKernels:
-    return CpuKernels(load_module(avx2_only=True))
-
-
-@pytest.fixture(
-    params=[
-        "native",
-        pytest.param(
-            "avx2",
-            marks=pytest.mark.skipif(
-                "avx512f" not in cpu_flags(), reason="the native build is the AVX2 build here"
-            ),
-        ),
-    ]
-)
-def kern(request: pytest.FixtureRequest) -> CpuKernels:
-    """The op-level tests run on this CPU's build and, where it has AVX-512, on the AVX2 build
-    too (the same sources with 16-lane vectors as register pairs)."""
-    return kernels() if request.param == "native" else avx2_kernels()
 
 
 # --- matrix multiply ------------------------------------------------------------------------
@@ -94,6 +63,8 @@ def amx_path(request: pytest.FixtureRequest, kern: CpuKernels):
         (70, 48, 64),
         (20, 100, 96),
         (17, 4096, 256),
+        (9, 50, 260),
+        (24, 70, 301),
     ],
 )
 def test_linear_matches_torch(
@@ -115,21 +86,29 @@ def test_linear_matches_torch(
 
 
 @pytest.mark.parametrize(("dtype", "amx"), LINEAR_PATHS)
-@pytest.mark.parametrize("k", [96, 100])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(72, 96, True), (72, 100, True), (72, 301, True), (4096, 256, False)]
+)
 def test_linear_row_does_not_depend_on_the_batch(
-    dtype: torch.dtype, amx: bool, amx_path: bool, k: int, kern: CpuKernels
+    dtype: torch.dtype, amx: bool, amx_path: bool, n: int, k: int, bias: bool, kern: CpuKernels
 ) -> None:
-    gen = torch.Generator().manual_seed(0)
+    """A row's output has the same bits whatever the number of rows in the call and the row's
+    place among them (up to four rows one tile, then tall tiles, one or several; K in one block
+    or several): in the input dtype and as float32 (the LM head's logits, where a rounding to
+    bfloat16 would hide a difference)."""
+    gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(37, k, generator=gen).to(dtype)
-    packed = kern.pack_linear(torch.randn(72, k, generator=gen).to(dtype))
-    whole = kern.linear(x, packed)
-    for r in (0, 5, 16, 36):
-        alone = kern.linear(x[r : r + 1], packed)
-        assert torch.equal(alone[0], whole[r]), f"row {r} differs alone and in the batch"
-        pair = kern.linear(x[r - 1 : r + 1] if r else x[:2], packed)
-        assert torch.equal(pair[1 if r else 0], whole[r]), f"row {r} differs in a batch of 2"
-        three = kern.linear(x[r - 2 : r + 1] if r else x[:3], packed)
-        assert torch.equal(three[2 if r else 0], whole[r]), f"row {r} differs in a batch of 3"
+    packed = kern.pack_linear(torch.randn(n, k, generator=gen).to(dtype))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    for out in (None, torch.float32):
+        whole = kern.linear(x, packed, b, out_dtype=out)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 37):
+            for start in sorted({0, (37 - rows) // 2, 37 - rows}):
+                part = kern.linear(x[start : start + rows], packed, b, out_dtype=out)
+                assert torch.equal(part, whole[start : start + rows]), (
+                    f"{rows} rows from row {start} ({out or dtype} out) differ from the same rows "
+                    "in a batch of 37"
+                )
 
 
 # --- layer ops --------------------------------------------------------------------------
@@ -187,106 +166,6 @@ def test_silu_and_mul(dtype: torch.dtype, kern: CpuKernels) -> None:
     ref = F.silu(x[:, :90]) * x[:, 90:]
     tol = 0 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(kern.silu_and_mul(x), ref, atol=tol, rtol=tol)
-
-
-# --- attention --------------------------------------------------------------------------
-
-# (query_lens, seq_lens): whole prompts, a prompt chunk on cached context, one-token decodes,
-# gamma + 1 verifications, and a long prompt spanning many blocks, in one ragged batch.
-RAGGED = ([7, 1, 3, 20, 1, 5, 40, 2], [7, 1, 30, 45, 64, 5, 40, 9])
-
-
-def to_cpu_layout(
-    k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard ``[block, slot, head, d]`` caches in the CPU backend's layout: keys
-    ``[block, head, d, slot]``, values ``[block, head, slot, d]`` (slots padded to an even
-    count with NaN), and in bfloat16 with the elements of a block's head in pairs: keys
-    ``[d / 2, slot, 2]``, values ``[slot / 2, d, 2]``."""
-    n, bs, h, d = k_cache.shape
-    if bs % 2:
-        pad = torch.full((n, 1, h, d), float("nan"), dtype=v_cache.dtype)
-        v_cache = torch.cat([v_cache, pad], dim=1)
-    kc, vc = k_cache.permute(0, 2, 3, 1), v_cache.permute(0, 2, 1, 3)
-    if k_cache.dtype == torch.bfloat16:
-        kc = kc.reshape(n, h, d // 2, 2, bs).transpose(3, 4)
-        vc = vc.reshape(n, h, -1, 2, d).transpose(3, 4)
-    return kc.contiguous().view(n, h, d, bs), vc.contiguous().view(n, h, -1, d)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("block_size", "hq", "hkv", "d"),
-    [(4, 4, 2, 16), (16, 4, 2, 64), (32, 6, 2, 32), (16, 8, 1, 128), (16, 3, 3, 64), (5, 4, 2, 32)],
-)
-def test_attention_matches_reference(
-    dtype: torch.dtype, block_size: int, hq: int, hkv: int, d: int, kern: CpuKernels
-) -> None:
-    q, k, v, k_cache, v_cache, meta, _ = random_paged_batch(
-        *RAGGED, block_size, hq, hkv, d, seed=block_size + d, dtype=dtype
-    )
-    backend = CpuAttentionBackend(kern)
-    assert backend.kv_cache_shapes(k_cache.shape[0], block_size, hkv, d) == (
-        (k_cache.shape[0], hkv, d, block_size),
-        (k_cache.shape[0], hkv, block_size + block_size % 2, d),
-    )
-    kc, vc = to_cpu_layout(k_cache, v_cache)
-    qkv = torch.cat([q, k, v], dim=1).reshape(q.shape[0], -1)  # q, k, v as strided views
-    qs = qkv[:, : hq * d].view(-1, hq, d)
-    ks = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
-    vs = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-    got = backend.forward(qs, ks, vs, kc, vc, meta, d**-0.5)
-    ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert not got.isnan().any(), "an unwritten (NaN) slot was read"
-    for b in range(meta.num_seqs):
-        rows = slice(int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]))
-        torch.testing.assert_close(
-            got[rows], ref[rows], atol=tol, rtol=tol, msg=lambda m, b=b: f"sequence {b}: {m}"
-        )
-    # the new keys and values landed in their slots of the CPU layout, and nothing else moved
-    ref_kc, ref_vc = to_cpu_layout(k_cache, v_cache)
-    torch.testing.assert_close(kc, ref_kc, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(vc, ref_vc, atol=0, rtol=0, equal_nan=True)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_attention_over_a_large_cache_matches_reference(threads: int, kern: CpuKernels) -> None:
-    """A call that reads more keys and values than a core's L2 prefetches each work item's
-    during the one before, a thread running consecutive items: every item still runs once,
-    with its own outputs."""
-    query_lens = [1, 3, 1, 5] * 6  # decodes and verifications
-    seq_lens = [300 + 7 * i for i in range(24)]  # 7.5 MB of float32 keys and values
-    q, k, v, k_cache, v_cache, meta, _ = random_paged_batch(
-        query_lens, seq_lens, 16, 4, 2, 64, seed=11
-    )
-    kc, vc = to_cpu_layout(k_cache, v_cache)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = CpuAttentionBackend(kern).forward(q, k, v, kc, vc, meta, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_attention_reads_each_sequence_own_slots(kern: CpuKernels) -> None:
-    """Changing one cached key changes exactly the outputs of the sequence holding it, from the
-    first query row that sees its position."""
-    q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(*RAGGED, 16, 4, 2, 64, seed=5)
-    backend = CpuAttentionBackend(kern)
-    kc, vc = to_cpu_layout(k_cache, v_cache)
-    before = backend.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
-    b, pos = 4, 37  # sequence 4: one decode row at position 63, context 0..62
-    blk, off = tables[b][pos // 16], pos % 16
-    kc[blk, 0, :, off] += 1.0  # kv head 0 -> query heads 0 and 1
-    after = backend.forward(q, k, v, kc, vc, meta, 0.125)
-    row = int(meta.query_start_loc[b])
-    changed = (after != before).any(dim=-1)  # [T, Hq]
-    expected = torch.zeros_like(changed)
-    expected[row, :2] = True
-    assert torch.equal(changed, expected)
 
 
 # --- whole model ------------------------------------------------------------------------
@@ -348,38 +227,6 @@ def test_flat_forward_is_the_module_path_bit_for_bit(
     assert torch.equal(h1, h2)
     assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(c1, c2, strict=True))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_row_does_not_depend_on_the_batch_or_the_chunking(
-    dtype: torch.dtype, kern: CpuKernels
-) -> None:
-    """A sequence's outputs are bit-identical alone and inside the ragged batch, and when its
-    new tokens come in two chunks instead of one."""
-    from specbatch.model.layers.attention import AttentionMetadata
-
-    q, k, v, k_cache, v_cache, meta, tables = random_paged_batch(
-        *RAGGED, 16, 6, 2, 64, seed=9, dtype=dtype
-    )
-    backend = CpuAttentionBackend(kern)
-    kc, vc = to_cpu_layout(k_cache, v_cache)
-    whole = backend.forward(q, k, v, kc, vc, meta, 0.125)
-    for b in (1, 3, 6):  # a decode, a chunk on cached context, a whole prompt
-        rows = slice(int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]))
-        q_len, seq_len = RAGGED[0][b], RAGGED[1][b]
-        alone = AttentionMetadata.from_lists([q_len], [seq_len], [tables[b]], 16)
-        got = backend.forward(q[rows], k[rows], v[rows], kc, vc, alone, 0.125)
-        assert torch.equal(got, whole[rows]), f"sequence {b} differs alone"
-        if q_len > 1:
-            first = q_len // 3
-            parts = []
-            for lo, hi in ((0, first), (first, q_len)):
-                part = AttentionMetadata.from_lists(
-                    [hi - lo], [seq_len - q_len + hi], [tables[b]], 16
-                )
-                sl = slice(rows.start + lo, rows.start + hi)
-                parts.append(backend.forward(q[sl], k[sl], v[sl], kc, vc, part, 0.125))
-            assert torch.equal(torch.cat(parts), whole[rows]), f"sequence {b} differs chunked"
 
 
 def test_dtype_auto_on_a_cpu() -> None:

@@ -26,13 +26,13 @@ def test_bench_with_a_shared_prefix_hits_the_cache(
     make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     engines = []
-    make = offline._engine
+    make = offline.build_engine
 
-    def keep(cfg, k, max_seqs):
-        engines.append(make(cfg, k, max_seqs))
+    def keep(cfg, draft, max_seqs):
+        engines.append(make(cfg, draft, max_seqs))
         return engines[-1]
 
-    monkeypatch.setattr(offline, "_engine", keep)
+    monkeypatch.setattr(offline, "build_engine", keep)
     out = tmp_path / "b"
     argv = ["bench", "--model", str(make_checkpoint("llama", num_layers=1)), "--device", "cpu"]
     argv += ["--batch-sizes", "2", "--draft-lengths", "0", "--num-requests", "4"]

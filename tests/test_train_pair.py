@@ -24,6 +24,26 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def _evaluate_export(out: Path) -> dict:
+    """The export's held-out evaluation run again on the exported models (--tiny's 4 windows of
+    32 tokens, batches of 4, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_pair_data
+        import train_pair_train
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    _, heldout, _ = train_pair_data.load(out)
+    windows = train_pair_train.eval_windows(heldout, 32, 4)
+    models = [
+        AutoModelForCausalLM.from_pretrained(str(out / "export" / who), dtype=torch.float32).eval()
+        for who in ("target", "draft")
+    ]
+    return train_pair_train.evaluate(*models, windows, 4, torch.device("cpu"), amp=False)
+
+
 def test_train_pair_tiny_end_to_end(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,7 +62,9 @@ def test_train_pair_tiny_end_to_end(tmp_path):
     assert len(data["train_files"]["paths_sha256"]) == 64
     for key in ("target_loss", "draft_loss", "alpha", "greedy", "positions"):
         assert key in info["eval"], key
-    assert 0.0 <= info["eval"]["alpha"] <= 1.0 and 0.0 <= info["eval"]["greedy"] <= 1.0
+    # the held-out figures are those of the exported models on the held-out windows
+    again = _evaluate_export(out)
+    assert {k: info["eval"][k] for k in again} == again and again["positions"] == 4 * 32
     for who in ("target", "draft"):
         assert info["training"][who]["steps"] == 3 and info["training"][who]["finished"]
         assert info["models"][who]["params"] > 0

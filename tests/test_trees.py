@@ -19,7 +19,7 @@ from tests.test_exactness import PROMPT, VOCAB, assert_matches, sample_sequences
 
 N = 14_000
 TREE = {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 5}
-BACKEND = "torch"
+BACKENDS = ["auto", "torch"]  # specbatch's CPU kernel where it builds, and the torch reference
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +47,12 @@ def drafter(pair, method: str) -> dict:
     return {"method": method, "model": str(model)}
 
 
-def engine(pair, method: str, seed: int = 0, **spec) -> LLM:
+def engine(pair, method: str, seed: int = 0, backend: str = "auto", **spec) -> LLM:
     config = {**drafter(pair, method), **TREE, **spec}
     return LLM(
         str(pair[0]),
         speculative_config=config,
-        attention_backend=BACKEND,
+        attention_backend=backend,
         max_num_seqs=256,
         num_kv_blocks=1024,
         block_size=4,
@@ -109,16 +109,17 @@ def test_a_node_attending_to_a_non_ancestor_is_caught(pair, monkeypatch):
         return real(first, torch.full_like(bits, -1), keys, valid)
 
     monkeypatch.setattr(attention, "tree_visibility", causal)
-    llm = engine(pair, "draft_model", seed=6)
+    llm = engine(pair, "draft_model", seed=6, backend="torch")
     params = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)] * N
     samples = sample_sequences(llm, params)
     with pytest.raises(AssertionError, match="p="):
         assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_greedy_tree_output_equals_transformers(make_checkpoint, tmp_path, arch, method):
+def test_greedy_tree_output_equals_transformers(make_checkpoint, tmp_path, arch, method, backend):
     target = make_checkpoint(arch, seed=11)
     draft = make_perturbed_draft(target, tmp_path / "d", noise=0.05, seed=2)
     head = make_eagle_head(tmp_path / "h", target, "eagle3", seed=4)
@@ -127,7 +128,7 @@ def test_greedy_tree_output_equals_transformers(make_checkpoint, tmp_path, arch,
     ref = hf_greedy(target, prompts, 24)
     for shape in ({"topk": 2, "num_draft_tokens": 6}, {"topk": 4, "num_draft_tokens": 12}):
         spec = {"method": method, "model": str(model), "num_speculative_tokens": 4, **shape}
-        llm = LLM(str(target), speculative_config=spec, attention_backend=BACKEND,
+        llm = LLM(str(target), speculative_config=spec, attention_backend=backend,
                   num_kv_blocks=64, block_size=4, max_model_len=128)  # fmt: skip
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
@@ -147,19 +148,24 @@ def cache_rows(llm: LLM, table: list[int], n: int) -> list[torch.Tensor]:
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
     out = []
     for k, v in runner.kv_caches:
-        out.append(k.view(-1, *k.shape[2:])[slots].clone())
-        out.append(v.view(-1, *v.shape[2:])[slots].clone())
+        kernels = getattr(runner.backend, "kernels", None)
+        if kernels is not None:  # the CPU kernel's own layout
+            keys, values = kernels.slot_elements(k, v)
+            out += [k.view(-1)[keys(slots)].clone(), v.view(-1)[values(slots)].clone()]
+        else:
+            out += [k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots]]
     return out
 
 
-def test_after_tree_rounds_the_cache_holds_the_accepted_path(pair):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_after_tree_rounds_the_cache_holds_the_accepted_path(pair, backend):
     """The target's cache after greedy tree rounds equals the cache of plain decoding of the
     same tokens, slot by slot: accepted nodes were moved next to their roots."""
     prompt = [0, 1, 2, 2, 1]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seen = {}
     for name, spec in (("tree", {**drafter(pair, "draft_model"), **TREE}), ("plain", None)):
-        llm = LLM(str(pair[0]), speculative_config=spec, attention_backend=BACKEND,
+        llm = LLM(str(pair[0]), speculative_config=spec, attention_backend=backend,
                   num_kv_blocks=64, block_size=4)  # fmt: skip
         e = llm.engine
         e.add_request({"prompt_token_ids": prompt}, params, request_id="r")
@@ -178,3 +184,47 @@ def test_after_tree_rounds_the_cache_holds_the_accepted_path(pair):
     assert tokens_t[:n] == tokens_p[:n] and n > len(prompt) + 4
     for a, b in zip(rows_t, rows_p, strict=True):
         torch.testing.assert_close(a[:n], b[:n], atol=1e-5, rtol=1e-5)
+
+
+def test_ngram_trie_of_several_matches():
+    from specbatch.worker.ngram_proposer import NgramIndex
+
+    ix = NgramIndex(1, 2)
+    ix.extend([7, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2, 3, 6, 1, 2])
+    # the suffix [1, 2] was followed by 3 6, 4 5, 3 9 (latest first); [2] by the same
+    tokens, parents = ix.propose_tree(depth=2, topk=2, nodes=5)
+    assert tokens == [3, 6, 4, 5, 9] and parents == [0, 1, 0, 3, 1]
+    assert ix.propose_tree(depth=2, topk=1, nodes=5) == ([3, 6], [0, 1])  # a chain
+    assert ix.propose_tree(depth=1, topk=4, nodes=8) == ([3, 4], [0, 0])
+
+
+def ngram(pair, **spec) -> LLM:
+    config = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2, **TREE, **spec}
+    return LLM(str(pair[0]), speculative_config=config, max_num_seqs=256, num_kv_blocks=1024,
+               block_size=4, seed=8, max_model_len=64)  # fmt: skip
+
+
+def test_ngram_trees_sample_the_targets_law(pair):
+    llm = ngram(pair)
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)] * N
+    samples = sample_sequences(llm, params)
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and spec.accepted > 0
+    assert_matches(samples, exact_joint(pair[0], PROMPT, 3))
+
+
+def test_greedy_ngram_trees_equal_transformers(make_checkpoint):
+    target = make_checkpoint("llama", seed=11)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [1, 2, 3] * 5, [100, 200, 30, 40, 100, 200]]
+    ref = hf_greedy(target, prompts, 24)
+    for backend in BACKENDS:
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "topk": 3, "num_draft_tokens": 8}
+        llm = LLM(str(target), speculative_config=spec, attention_backend=backend,
+                  num_kv_blocks=64, block_size=4, max_model_len=128)  # fmt: skip
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks

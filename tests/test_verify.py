@@ -1,8 +1,9 @@
-"""``specbatch verify`` / ``verify_exactness``: passes on an exact engine, fails when the plain
-run samples another distribution, and says so when it cannot tell."""
+"""``specbatch verify`` / ``verify_exactness``: passes on an exact engine, fails on a planted bug
+or when the plain run samples another distribution, and says so when it cannot tell."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,10 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy import stats as sps
 
+from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.errors import InvalidInputError
 from specbatch.exactness import format_report, verify_exactness
+from specbatch.exactness_report import TARGET_TV, USEFUL_TV
+from specbatch.sequence_stats import samples_for
 from specbatch.testing.checkpoints import make_random_checkpoint
+from specbatch.worker import rejection_sampler
 
 SMALL = dict(
     vocab_size=64,
@@ -27,6 +32,8 @@ SMALL = dict(
 )
 ENGINE = dict(num_kv_blocks=1024, max_model_len=16, max_num_seqs=512)
 ENGINE_FLAGS = ["--num-kv-blocks", "1024", "--max-model-len", "16", "--max-num-seqs", "512"]
+# The built-in pair: enough samples for a verdict other than INCONCLUSIVE, few for speed.
+BUILTIN_SAMPLES = 800
 
 
 def _perturbed_copy(src: Path, dst: Path, scale: float, seed: int) -> Path:
@@ -49,116 +56,129 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def test_passes_on_a_tiny_pair(pair: tuple[str, str]) -> None:
+def _tiny(pair: tuple[str, str], **kwargs: object):
     target, draft = pair
-    report = verify_exactness(
-        target,
-        draft,
+    args = dict(
         num_speculative_tokens=2,
-        num_samples=400,
-        num_tokens=4,
+        num_samples=1000,
         temperature=0.8,
         top_k=8,
         prompt_token_ids=[1, 2, 3],
         engine_kwargs=ENGINE,
     )
-    assert report.verdict == "PASS" and report.passed, format_report(report)
-    assert report.p_value >= report.alpha
-    assert report.bins >= 4 and report.dof == report.bins - 1
-    assert report.max_draft_len == 2  # every draft position was exercised
-    assert report.acceptance_rate is not None and 0.1 < report.acceptance_rate < 0.9
-    assert report.mean_tokens_per_round is not None and report.mean_tokens_per_round > 1.0
-    # the stated power, recomputed with scipy: two samples of 400 act like one of 200
-    d = report.detectable_tv - report.pooled_mass
-    crit = sps.chi2.isf(report.alpha, report.dof)
-    assert sps.ncx2.sf(crit, report.dof, 4 * 200 * d * d) == pytest.approx(0.9, abs=1e-4)
-    assert f"{report.detectable_tv:.3f} between the two" in format_report(report)
+    args.update(kwargs)
+    return verify_exactness(target, draft, **args)  # type: ignore[arg-type]
+
+
+def test_passes_on_a_tiny_pair_with_the_power_it_states(pair: tuple[str, str]) -> None:
+    report = _tiny(pair)
+    text = format_report(report)
+    assert report.verdict == "PASS" and report.passed, text
+    c = report.comparison
+    assert c is not None and report.p_value is not None and report.p_value >= report.alpha
+    assert report.num_tokens == 4 and len(c.positions) == 4  # k + 2 by default
+    assert report.speculative.max_draft_len == 2  # every draft position was exercised
+    assert report.speculative.acceptance_rate is not None
+    assert 0.1 < report.speculative.acceptance_rate < 0.9
+    # Each token's stated power, recomputed with scipy: two samples of 1000 act like one of
+    # 500, each token tested at alpha / 4.
+    for p in c.positions:
+        assert p.detectable_tv is not None
+        crit = sps.chi2.isf(report.alpha / 4, p.dof)
+        assert sps.ncx2.sf(crit, p.dof, 4 * 500 * p.detectable_tv**2) == pytest.approx(0.9)
+    tv = max(p.detectable_tv for p in c.positions if p.detectable_tv is not None)
+    assert report.detectable_tv == tv < USEFUL_TV
+    assert f"PASS (p-value {report.p_value:.3g} >= alpha 0.001): a total-variation " in text
+    assert f"difference of {tv:.3f} or more at any token would have been caught" in text
 
 
 def test_fails_when_the_plain_run_samples_the_draft(pair: tuple[str, str]) -> None:
     # As if the engine emitted the draft's tokens unverified: the test must notice.
-    target, draft = pair
-    report = verify_exactness(
-        target,
-        draft,
-        num_speculative_tokens=2,
-        num_samples=400,
-        num_tokens=4,
-        temperature=0.8,
-        top_k=8,
-        prompt_token_ids=[1, 2, 3],
-        engine_kwargs=ENGINE,
-        reference_model=draft,
-    )
+    report = _tiny(pair, reference_model=pair[1])
     assert report.verdict == "FAIL" and not report.passed
-    assert report.p_value < 1e-6
+    assert report.p_value is not None and report.p_value < 1e-6
     text = format_report(report)
-    assert "FAIL (p-value" in text and f"(plain run: {draft})" in text
+    assert "FAIL (p-value" in text and f"(plain run: {pair[1]})" in text
 
 
-def test_cli_prints_the_report_and_exits_0_on_pass(
-    pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
+def _residual_from_p(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return p  # the token after a rejection drawn from p, as the bonus token is
+
+
+def _residual_from_q(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return q
+
+
+def test_fails_on_a_correction_token_drawn_from_p(
+    pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target, draft = pair
-    argv = [
-        "verify",
-        "--model",
-        target,
-        "--draft-model",
-        draft,
-        "--num-speculative-tokens",
-        "1",
-        "--num-samples",
-        "300",
-        "--tokens",
-        "3",
-        "--top-k",
-        "8",
-        "--prompt-token-ids",
-        "1,2",
-        "--seed",
-        "5",
-        "--no-progress",
-        *ENGINE_FLAGS,
-    ]
-    assert main(argv) == 0
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", _residual_from_p)
+    report = _tiny(pair, num_samples=2000)
+    assert report.verdict == "FAIL", format_report(report)
+
+
+def test_cli_with_no_arguments_checks_the_builtin_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--num-samples", str(BUILTIN_SAMPLES), "--no-progress"]) == 0
     out = capsys.readouterr().out
+    eagle = default_model_path("eagle")
     for expected in (
-        "samples             300 speculative + 300 plain",
-        "distinct sequences",
-        "bins after pooling",
-        "p-value",
-        "acceptance rate",
-        "tokens per round",
+        f"target              {default_model_path('target')}\n",
+        f"draft               eagle: {eagle} (k = 3)",  # the engine's default drafter
+        "'import os\\nimport sys\\n'",
+        "5 tokens each",  # k + 2
+        f"samples             {BUILTIN_SAMPLES} speculative + {BUILTIN_SAMPLES} plain",
+        "draft length up to 3",
+        "token  cells  pooled  chi-square  p-value  catches TV",
         "PASS (p-value",
+        "would have been caught with probability 0.9",
         "alpha = 0.001",
-        "A FAIL is strong evidence",
     ):
         assert expected in out, out
 
 
-def test_cli_inconclusive_when_every_sequence_is_rare(
-    pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
+def test_cli_fails_on_the_builtin_pair_with_a_planted_bug(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target, draft = pair
-    argv = [
-        "verify",
-        "--model",
-        target,
-        "--draft-model",
-        draft,
-        "--num-samples",
-        "10",
-        "--tokens",
-        "6",
-        "--prompt-token-ids",
-        "1",
-        "--no-progress",
-        *ENGINE_FLAGS,
-    ]
-    assert main(argv) == 1
+    monkeypatch.setattr(rejection_sampler, "residual_distribution", _residual_from_q)
+    assert main(["verify", "--num-samples", str(BUILTIN_SAMPLES), "--no-progress"]) == 1
     out = capsys.readouterr().out
-    assert "INCONCLUSIVE" in out and "no power" in out
+    assert "FAIL (p-value" in out and "< alpha 0.001, at token" in out, out
+
+
+def test_cli_inconclusive_when_the_test_has_no_power(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--num-samples", "100", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    needed = samples_for(TARGET_TV, 5, 1e-3)
+    assert "INCONCLUSIVE (p-value" in out and "PASS (" not in out, out
+    assert f"use --num-samples {needed} (the default) to catch 0.05" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        (["--speculative-config", '{"method": "eagle"}'], "eagle: {eagle} (k = 3)"),
+        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+         "eagle: {eagle} (k = 2)"),
+        (["--speculative-config", '{"method": "draft_model"}'], "draft_model: {draft} (k = 3)"),
+        (["--draft-model", "{draft}", "--num-speculative-tokens", "auto"],
+         "draft_model: {draft} (k = auto, up to 4)"),
+        (["--model", "{target}", "--speculative-config", '{"method": "ngram"}'],
+         "ngram: prompt lookup (k = 3)"),
+    ],
+)  # fmt: skip
+def test_cli_checks_every_drafter_with_and_without_a_model(
+    capsys: pytest.CaptureFixture[str], flags: list[str], shown: str
+) -> None:
+    def paths(text: str) -> str:
+        for which in ("target", "draft", "eagle"):
+            text = text.replace(f"{{{which}}}", default_model_path(which))
+        return text
+
+    argv = ["verify", "--num-samples", "30", "--no-progress", *map(paths, flags)]
+    assert main(argv) in (0, 1)
+    out = capsys.readouterr().out
+    assert paths(shown) in out, out
+    assert any(line.startswith(("PASS", "FAIL", "INCONCLUSIVE")) for line in out.splitlines())
 
 
 @pytest.mark.parametrize(
@@ -170,74 +190,61 @@ def test_cli_inconclusive_when_every_sequence_is_rare(
         (["--top-p", "0"], "error: --top-p must be in (0, 1]"),
         (["--prompt", "x", "--prompt-token-ids", "1"], "not allowed with argument"),
         (["--prompt-token-ids", "1,x"], "expected comma-separated token ids"),
+        (["--num-speculative-tokens", "0"], "error: --num-speculative-tokens: verify needs"),
+        (["--speculative-config", "{}"], "error: --speculative-config and draft_model were both"),
     ],
 )
 def test_cli_usage_errors(
     pair: tuple[str, str], capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
     target, draft = pair
-    assert main(["verify", "--model", target, "--draft-model", draft, *flags]) == 2
+    argv = ["verify", "--model", target, "--draft-model", draft, *flags, *ENGINE_FLAGS]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err, err
 
 
 def test_model_without_draft_is_refused(
     pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["verify", "--model", pair[0]]) == 2
+    assert main(["verify", "--model", pair[0], *ENGINE_FLAGS]) == 2
     err = capsys.readouterr().err
-    assert "give its drafter too" in err and "Traceback" not in err
+    assert "error: --model: speculation is off" in err and "give its drafter too" in err
+    assert "Traceback" not in err
 
 
 def test_prompt_errors_name_the_flag(
     pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     target, draft = pair
-    argv = [
-        "verify",
-        "--model",
-        target,
-        "--draft-model",
-        draft,
-        "--prompt-token-ids",
-        "1,999",
-        "--no-progress",
-        *ENGINE_FLAGS,
-    ]
+    argv = ["verify", "--model", target, "--draft-model", draft, "--prompt-token-ids", "1,999",
+            "--no-progress", *ENGINE_FLAGS]  # fmt: skip
     assert main(argv) == 2
     assert "error: --prompt-token-ids: token id 999 is outside" in capsys.readouterr().err
     with pytest.raises(InvalidInputError, match="the model has no tokenizer"):
         verify_exactness(target, draft, num_samples=2, prompt="hello", engine_kwargs=ENGINE)
 
 
-def test_greedy_agreement_passes(pair: tuple[str, str]) -> None:
-    # Greedy: every sample is the same sequence, speculative or not; one bin, nothing to pool.
-    target, draft = pair
-    report = verify_exactness(
-        target,
-        draft,
-        num_speculative_tokens=3,
-        num_samples=6,
-        num_tokens=5,
-        temperature=0.0,
-        prompt_token_ids=[1, 2, 3],
-        engine_kwargs=ENGINE,
-    )
-    assert report.distinct_speculative == report.distinct_plain == report.distinct_total == 1
-    assert report.verdict == "PASS" and report.spec_rounds > 0
+def test_greedy_compares_the_sequences(pair: tuple[str, str]) -> None:
+    report = _tiny(pair, num_speculative_tokens=3, num_samples=6, temperature=0.0)
+    assert report.comparison is None and report.greedy_mismatches == 0
+    assert len(set(report.speculative.seqs) | set(report.plain.seqs)) == 1
+    assert report.verdict == "PASS" and report.speculative.spec_rounds > 0
+    wrong = _tiny(pair, num_samples=6, temperature=0.0, reference_model=pair[1])
+    assert wrong.verdict == "FAIL" and wrong.greedy_mismatches == 12
+    assert "FAIL: 12 of 12 greedy samples" in format_report(wrong)
 
 
 def test_cli_checks_a_drafter_given_as_speculative_config(
     pair: tuple[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     target, draft = pair
-    config = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 1}}'
+    config = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 1})
     argv = ["verify", "--model", target, "--speculative-config", config, "--num-samples",
-            "300", "--tokens", "3", "--top-k", "8", "--prompt-token-ids", "1,2",
-            "--no-progress", *ENGINE_FLAGS]  # fmt: skip
+            "1000", "--top-k", "8", "--prompt-token-ids", "1,2", "--presence-penalty", "0.5",
+            "--repetition-penalty", "1.3", "--no-progress", *ENGINE_FLAGS]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert f"draft_model: {draft} (k = 1)" in out and "PASS (p-value" in out, out
-    both = ["verify", "--model", target, "--draft-model", draft, "--speculative-config", config]
-    assert main(both) == 2
-    assert "give one" in capsys.readouterr().err
+    assert f"draft_model: {draft} (k = 1)" in out and "3 tokens each" in out, out
+    assert "presence_penalty=0.5 repetition_penalty=1.3, 3 tokens" in out
+    assert "PASS (p-value" in out

@@ -1,6 +1,7 @@
-"""The ``auto`` row against the best fixed draft length at each batch size.
+"""The ``auto`` cell against the best fixed cell at each batch size.
 
-The best fixed length is the one of highest throughput (0 included). Two views:
+The best fixed cell is the one of highest throughput among every other cell: plain decoding,
+each draft length, each tree. Two views:
 
 * ``tok_ratio`` and ``tpot_ratio``: the cells' own figures (tok/s and mean TPOT over all the
   runs, ``pool_runs``), as the bench's table shows them;
@@ -16,10 +17,11 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from specbatch.bench.cells import AUTO, CellResult
+from specbatch.bench.cells import CellResult
+from specbatch.bench.drafts import Draft
 
-TOK_BAR = 0.97  # throughput at least this share of the best fixed length's
-TPOT_BAR = 1.05  # time per output token at most this multiple of the best fixed length's
+TOK_BAR = 0.97  # throughput at least this share of the best fixed cell's
+TPOT_BAR = 1.05  # time per output token at most this multiple of the best fixed cell's
 
 
 def _ratios(xs: Sequence[float | None], ys: Sequence[float | None]) -> list[float]:
@@ -27,25 +29,25 @@ def _ratios(xs: Sequence[float | None], ys: Sequence[float | None]) -> list[floa
 
 
 def auto_vs_fixed(cells: Sequence[CellResult]) -> dict[str, dict[str, Any]]:
-    """Per batch size with an ``auto`` cell (keys as strings, for JSON)."""
-    by_batch: dict[int, dict[int, CellResult]] = {}
+    """Per batch size with an ``auto`` cell (keys as strings, for JSON); ``best_fixed`` is
+    spelt as the cell is (``0``, ``2``, ``4x4/16``)."""
+    by_batch: dict[int, dict[Draft, CellResult]] = {}
     for c in cells:
-        by_batch.setdefault(c.batch_size, {})[c.draft_length] = c
+        by_batch.setdefault(c.batch_size, {})[c.draft] = c
     out: dict[str, dict[str, Any]] = {}
     for b in sorted(by_batch):
         row = by_batch[b]
-        auto = row.get(AUTO)
-        fixed = {k: c for k, c in row.items() if k >= 0}
+        auto = row.get("auto")
+        fixed = {d: c for d, c in row.items() if d != "auto"}
         if auto is None or not fixed:
             continue
-        k = max(fixed, key=lambda k: fixed[k].output_tok_s)
-        best = fixed[k]
+        best = max(fixed.values(), key=lambda c: c.output_tok_s)
         tok = auto.output_tok_s / best.output_tok_s if best.output_tok_s else None
         tpot = auto.tpot_mean / best.tpot_mean if auto.tpot_mean and best.tpot_mean else None
         rounds_tok = _ratios(auto.runs_tok_s, best.runs_tok_s)
         rounds_tpot = _ratios(auto.runs_tpot_mean, best.runs_tpot_mean)
         out[str(b)] = {
-            "best_fixed": k,
+            "best_fixed": str(best.draft),
             "tok_ratio": tok,
             "tpot_ratio": tpot,
             "meets_bar": bool(tok and tpot and tok >= TOK_BAR and tpot <= TPOT_BAR),
@@ -66,12 +68,12 @@ def format_auto_vs_fixed(rows: dict[str, dict[str, Any]]) -> list[str]:
         return "-" if x is None else f"{x:.3f}x"
 
     lines = [
-        f"auto against the best fixed draft length (bar: tok/s >= {TOK_BAR}x, "
+        f"auto against the best fixed cell (bar: tok/s >= {TOK_BAR}x, "
         f"TPOT <= {TPOT_BAR}x; per round: the median of the rounds' paired ratios):"
     ]
     for b, r in rows.items():
         lines.append(
-            f"  B={b}: best k={r['best_fixed']}, tok/s {num(r['tok_ratio'])}, "
+            f"  B={b}: best {r['best_fixed']}, tok/s {num(r['tok_ratio'])}, "
             f"TPOT {num(r['tpot_ratio'])}: {'meets' if r['meets_bar'] else 'MISSES'} the bar; "
             f"per round tok/s {num(r['median_round_tok_ratio'])}, "
             f"TPOT {num(r['median_round_tpot_ratio'])}"

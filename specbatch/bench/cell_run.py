@@ -20,16 +20,40 @@ import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specbatch.bench.cells import CellResult, latency_figures, spec_figures
+from specbatch.bench.drafts import Draft
 from specbatch.bench.workload import Workload
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import InvalidInputError
 from specbatch.outputs import RequestMetrics
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.output import SchedulerOutput, StepResult
+
+
+@dataclass
+class PassCounts(EngineMetrics):
+    """The engine's counters, and the rows of the target's passes and the number of the
+    drafter's passes (``StepResult.passes``)."""
+
+    target_rows: int = 0
+    draft_passes: int = 0
+
+    def on_step(self, plan: SchedulerOutput, result: StepResult, step_time: float) -> None:
+        super().on_step(plan, result, step_time)
+        for model, rows, _ in result.passes:
+            if model == "target":
+                self.target_rows += rows
+            else:
+                self.draft_passes += 1
+
+
+def engine_draft(engine: LLMEngine) -> Draft:
+    """What an engine drafts: ``auto``, or its fixed shape (``DraftShape()``: nothing)."""
+    return "auto" if engine.config.adaptive_speculation else engine.config.draft_shape
 
 
 class OwnClock:
@@ -106,7 +130,7 @@ class CellRun:
         self.live: set[str] = set()
         # (own seconds, tokens generated) when the last request came in
         self.full_batch: tuple[float, int] | None = None
-        engine.metrics = EngineMetrics()
+        engine.metrics = PassCounts()
         with self.clock.turn():
             for _ in range(min(batch_size, num_requests)):
                 self._submit()
@@ -145,6 +169,7 @@ class CellRun:
     def result(self) -> CellResult:
         wall = self.clock.seconds
         m = self.engine.metrics
+        assert isinstance(m, PassCounts)
         s = m.spec
         timed = [self.clock.metrics(o.metrics) for o in self.finished]
         latencies = {
@@ -155,10 +180,10 @@ class CellRun:
         out_tokens = sum(len(o.outputs[0].token_ids) for o in self.finished)
         steps = max(m.num_steps, 1)
         full = self.full_batch
-        policy = self.engine.scheduler.policy
+        draft = engine_draft(self.engine)
         return CellResult(
             batch_size=self.batch_size,
-            draft_length=policy.shape.depth if self.engine.config.speculative else 0,
+            draft=draft,
             num_requests=len(self.finished),
             input_len=self.workload.input_len,
             output_len=self.workload.output_len,
@@ -173,7 +198,9 @@ class CellRun:
             step_s=m.step_time_total / steps,
             target_s_per_step=m.target_time_total / steps,
             draft_s_per_step=m.draft_time_total / steps,
-            **spec_figures(s),
+            target_rows_per_step=m.target_rows / steps,
+            draft_passes_per_step=m.draft_passes / steps,
+            **spec_figures(s, draft),
             spec=copy.deepcopy(s),
         )
 

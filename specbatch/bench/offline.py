@@ -1,4 +1,5 @@
-"""Offline load test: a closed-loop workload over a grid of batch sizes and draft lengths.
+"""Offline load test: a closed-loop workload over a grid of batch sizes and drafts (draft
+lengths, draft trees, auto: ``drafts.py``).
 
 *Batch size* B is the number of requests running concurrently: B requests are added, and each
 time one finishes a new one takes its place, until ``num_requests`` have finished (the engine is
@@ -6,9 +7,10 @@ kept full at B, which is what a server under load sees). Every request has the s
 length and generates exactly its output length (``ignore_eos``): ``output_len`` on average,
 spread uniformly by ``output_len_spread`` (``spread_output_lengths``; 0: all the same).
 
-Engines: one per draft length (plain for 0, ``auto`` up to the grid's largest length), all up
-for the whole run and sharing the checkpoints' weights (``share_weights``). The cells of one
-batch size run in rounds, one cell of each draft length a round, so speedups compare figures
+Engines: one per draft (plain for 0, ``auto`` up to the grid's deepest draft and, when it has
+trees, with trees in its ladder), all up for the whole run and sharing the checkpoints' weights
+(engines.py). The cells of one batch size run in rounds, one cell of each draft a round, so
+speedups compare figures
 taken side by side: by default (``interleave="steps"``) a round's cells run together, taking
 turns on the machine one engine step at a time, each figure in its engine's own time
 (cell_run.py), so that the machine's drift between and within cells falls on every draft
@@ -23,15 +25,22 @@ but not the prompts', and at small batch sizes a cell holds only eight.
 Per cell, next to the measured figures, THEORY.md's prediction from measured values:
 
 * ``alpha``: the engine's per-draft acceptance probability, accepted / (accepted + rejections);
+  for a tree, the chance that its walk passes a level (a round ends at a rejection, or at a
+  leaf without one);
 * ``c``: the draft/target cost ratio at this batch size, the draft's time per draft pass in the
-  speculative cell (draft time / (steps x k)) over the target's time per step in the plain cell
-  at the same B (so it needs the k = 0 cell in the grid);
+  speculative cell (draft time / (steps x passes), passes being k for a chain, the depth for a
+  tree, what auto's steps ran) over the target's time per step in the plain cell at the same B
+  (so it needs the k = 0 cell in the grid);
 * predicted speedup ``S = (1 - a^(g+1)) / ((1 - a)(g c + 1))`` with g the mean draft length
-  actually proposed, next to the measured speedup (output tokens/s over that of the plain cell
-  at the same B). THEORY's model assumes a verify pass costs what a plain step does; the gap
+  actually proposed (a tree: its depth, alpha then being the chance its walk passes a level),
+  next to the measured speedup (output tokens/s over that of the plain cell at the same B);
+  none for auto, whose shapes vary. THEORY's model assumes a verify pass costs what a plain
+  step does; the gap
   between the two grows with B, where the verify pass becomes compute-bound: ``verify_ratio``
   (the target's time per speculative step over its time per plain step) shows by how much, and
-  ``predicted_speedup_with_verify`` = E / (g c + verify_ratio) puts it back into the formula.
+  ``predicted_speedup_with_verify`` = E / (g c + verify_ratio) puts it back into the formula;
+  ``target_rows_per_step`` (prompts, decodes and every verified draft) says what that pass
+  carried.
 """
 
 from __future__ import annotations
@@ -39,21 +48,14 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import Any, Literal
 
 from specbatch.bench.auto_vs_fixed import auto_vs_fixed
 from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
-from specbatch.bench.cells import (
-    AUTO,
-    CellResult,
-    compare_with_plain,
-    crossover,
-    pool_runs,
-)
+from specbatch.bench.cells import CellResult, compare_with_plain, crossover, pool_runs
+from specbatch.bench.drafts import Draft, auto_shape, order, tree_problem
+from specbatch.bench.engines import build_engine, share_weights
 from specbatch.bench.workload import (
     WORKLOADS,
     build_workload,
@@ -62,10 +64,12 @@ from specbatch.bench.workload import (
     spread_output_lengths,
     with_shared_prefix,
 )
-from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, EngineArgs
+from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH
+from specbatch.draft_shape import DraftShape
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
 from specbatch.sampling_params import SamplingParams
+from specbatch.speculative_config import TREE_CHILDREN
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DRAFT_LENGTHS = (0, 1, 2, 4, 8)
@@ -77,33 +81,12 @@ WARMUP_TOKENS = 8
 INTERLEAVE = ("steps", "cells")
 
 
-def draft_length_arg(value: str) -> int:
-    """``--draft-lengths``: an integer, or ``auto`` (as ``AUTO``)."""
-    if value == "auto":
-        return AUTO
-    try:
-        return int(value)
-    except ValueError:
-        import argparse
-
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
-
-
-def rotated(lengths: list[int], r: int) -> list[int]:
-    """Round ``r``'s order of the draft lengths: the grid's order started at its ``r``-th, so
-    that over the rounds each length runs early and late in a round alike (the machine's
-    speed drifts within a round, and a length always run last would carry that drift)."""
-    i = r % len(lengths)
-    return lengths[i:] + lengths[:i]
-
-
-def draft_length_order(k: int) -> float:
-    """Sort key: fixed draft lengths ascending, then the auto row."""
-    return math.inf if k == AUTO else k
-
-
-def draft_length_label(k: int) -> str:
-    return "auto" if k == AUTO else str(k)
+def rotated(drafts: list[Draft], r: int) -> list[Draft]:
+    """Round ``r``'s order of the drafts: the grid's order started at its ``r``-th, so that
+    over the rounds each runs early and late in a round alike (the machine's speed drifts
+    within a round, and a draft always run last would carry that drift)."""
+    i = r % len(drafts)
+    return drafts[i:] + drafts[:i]
 
 
 def default_num_requests(batch_size: int) -> int:
@@ -122,7 +105,12 @@ class BenchConfig:
     model: str | None = None  # None: the built-in pair
     draft_model: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_BATCH_SIZES))
-    draft_lengths: list[int] = field(default_factory=lambda: list(DEFAULT_DRAFT_LENGTHS))
+    # chains of k drafts (0: plain decoding), or "auto"
+    draft_lengths: list[int | Literal["auto"]] = field(
+        default_factory=lambda: list(DEFAULT_DRAFT_LENGTHS)
+    )
+    trees: list[DraftShape] = field(default_factory=list)  # draft trees, cells beside them
+    tree_children: str = TREE_CHILDREN[0]  # the trees' children: "sampled" from q, or "top"
     input_len: int = DEFAULT_INPUT_LEN
     output_len: int = DEFAULT_OUTPUT_LEN
     # each prompt's output length uniform in output_len * [1 - spread, 1 + spread]
@@ -151,8 +139,18 @@ class BenchConfig:
 
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise bad("batch_sizes", "must be integers >= 1")
-        if not self.draft_lengths or any(k < 0 and k != AUTO for k in self.draft_lengths):
-            raise bad("draft_lengths", "must be integers >= 0 (or auto)")
+        if not self.draft_lengths and not self.trees:
+            raise bad("draft_lengths", "and trees are both empty: give at least one cell")
+        for k in self.draft_lengths:
+            if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+                raise bad("draft_lengths", f"must be integers >= 0 (or auto), got {k!r}")
+        for tree in self.trees:
+            problem = tree_problem(tree) if isinstance(tree, DraftShape) else None
+            if not isinstance(tree, DraftShape) or problem is not None:
+                raise bad("trees", problem or f"must be DraftShapes, got {tree!r}")
+        if self.tree_children not in TREE_CHILDREN:
+            choices = ", ".join(TREE_CHILDREN)
+            raise bad("tree_children", f"must be one of {choices}, got {self.tree_children!r}")
         if self.input_len < 1 or self.output_len < 2:
             raise bad("input_len", "must be >= 1 (and output_len >= 2)")
         if not 0 <= self.output_len_spread < 1:
@@ -169,16 +167,30 @@ class BenchConfig:
         if self.workload not in WORKLOADS:
             raise bad("workload", f"must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         drafter = self.draft_model is not None or self.speculative_config is not None
-        if self.max_draft_length > 0 and self.model is not None and not drafter:
+        if self.lookahead > 0 and self.model is not None and not drafter:
             raise bad(
-                "draft_lengths", "above 0 need a drafter (--draft-model or --speculative-config)"
+                "draft_lengths",
+                "above 0, auto and trees need a drafter (--draft-model or --speculative-config)",
             )
 
     @property
-    def max_draft_length(self) -> int:
-        """The speculative engine's draft length: the largest k, else the auto row's default."""
-        fixed = max(self.draft_lengths)
-        return fixed if fixed > 0 or AUTO not in self.draft_lengths else DEFAULT_MAX_DRAFT_LENGTH
+    def drafts(self) -> list[Draft]:
+        """The grid's cells at each batch size, in order: plain and chains, trees, auto."""
+        cells: set[Draft] = {k if k == "auto" else DraftShape.chain(k) for k in self.draft_lengths}
+        return sorted(cells | set(self.trees), key=order)
+
+    @property
+    def auto_shape(self) -> DraftShape:
+        """The auto cell's largest drafts (``drafts.auto_shape``)."""
+        return auto_shape(self.drafts, DEFAULT_MAX_DRAFT_LENGTH)
+
+    @property
+    def lookahead(self) -> int:
+        """Slots past a request's last token that any cell's drafts may take."""
+        shapes = [d for d in self.drafts if isinstance(d, DraftShape)]
+        if "auto" in self.drafts:
+            shapes.append(self.auto_shape)
+        return max(s.lookahead for s in shapes)
 
     @property
     def max_output_len(self) -> int:
@@ -215,64 +227,15 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def _engine(cfg: BenchConfig, k: int, max_seqs: int) -> LLMEngine:
-    """The engine of draft length ``k``: plain for 0, ``auto`` up to the grid's largest."""
-    model_len = (
-        cfg.shared_prefix_len + cfg.input_len + cfg.max_output_len + cfg.max_draft_length + 2
-    )
-    kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
-    kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
-    draft_length: int | str = "auto" if k == AUTO else k
-    if cfg.speculative_config is not None and k != 0:
-        spec = dict(cfg.speculative_config, num_speculative_tokens=draft_length)
-        spec["max_draft_length"] = cfg.max_draft_length
-        kwargs["speculative_config"] = spec
-    else:
-        kwargs["draft_model"] = cfg.draft_model if k != 0 else None
-        kwargs["num_speculative_tokens"] = draft_length
-        kwargs["max_draft_length"] = cfg.max_draft_length
-    args = EngineArgs(model=cfg.model, seed=cfg.seed, **kwargs)
-    return LLMEngine.from_engine_args(args)
-
-
-def share_weights(engines: Sequence[LLMEngine]) -> None:
-    """Point every in-process engine's target (and draft) at the first one's tensors: they are
-    the same checkpoint, and side by side (cell_run.py) each engine's step would otherwise
-    begin by reading its own copy back into the caches that the other engines' steps evicted,
-    which one engine running alone never does. Engines whose workers live elsewhere (Ray)
-    keep their own."""
-    first: dict[str, torch.nn.Module] = {}
-    for engine in engines:
-        worker = getattr(engine.executor, "worker", None)
-        if worker is None:
-            continue
-        for role in ("target", "draft"):
-            runner = getattr(worker, role)
-            if runner is None:
-                continue
-            source = first.setdefault(role, runner.model)
-            if source is runner.model:
-                continue
-            mine = dict(runner.model.named_parameters())
-            for name, tensor in source.named_parameters():
-                mine[name].data = tensor.data
-            modules = dict(runner.model.named_modules())
-            for name, module in source.named_modules():  # the CPU kernels' packed weights
-                packed = getattr(module, "packed", None)
-                own = getattr(modules[name], "packed", None)
-                if packed is not None and own is not None:
-                    own.panels.data = packed.panels.data
-
-
 def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
-    """Run every cell of the grid: batch sizes x draft lengths."""
+    """Run every cell of the grid: batch sizes x drafts."""
     cfg.check()
     t0 = time.perf_counter()
     sizes = sorted(set(cfg.batch_sizes))
-    lengths = sorted(set(cfg.draft_lengths), key=draft_length_order)
+    drafts = cfg.drafts
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=cfg.temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True)
-    total = sum(cfg.requests_for(b) for b in sizes) * len(lengths) * cfg.repeats
+    total = sum(cfg.requests_for(b) for b in sizes) * len(drafts) * cfg.repeats
     bar = None
     if progress:
         from tqdm import tqdm
@@ -280,16 +243,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
     cells: list[CellResult] = []
     source = ""
-    # One engine per draft length, all up for the whole run, so that the cells of a round can
-    # run side by side. The auto row's policy lives as long as its engine, as in a server: it
+    # One engine per draft, all up for the whole run, so that the cells of a round can run side
+    # by side. The auto cell's controller lives as long as its engine, as in a server: it
     # learns in its first cells and keeps learning from every later auto cell.
-    engines: dict[int, LLMEngine] = {}
+    engines: dict[Draft, LLMEngine] = {}
     try:
-        for k in lengths:
-            engines[k] = _engine(cfg, k, max(sizes))
+        for d in drafts:
+            engines[d] = build_engine(cfg, d, max(sizes))
         share_weights(list(engines.values()))
         workload = build_workload(
-            engines[lengths[0]],
+            engines[drafts[0]],
             input_len=cfg.input_len,
             output_len=cfg.output_len,
             # every repeat of a cell runs prompts of its own (see the module's docstring)
@@ -299,26 +262,26 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             grounded=cfg.workload == "grounded",
         )
         if cfg.mixed_hard_temperature is not None:
-            workload = mixed(workload, engines[lengths[0]].tokenizer, cfg.mixed_hard_temperature)
-        prefix = shared_prefix(engines[lengths[0]], cfg.shared_prefix_len, cfg.seed)
+            workload = mixed(workload, engines[drafts[0]].tokenizer, cfg.mixed_hard_temperature)
+        prefix = shared_prefix(engines[drafts[0]], cfg.shared_prefix_len, cfg.seed)
         workload = with_shared_prefix(workload, prefix)
         workload = spread_output_lengths(workload, cfg.output_len_spread, cfg.seed)
         source = workload.source
         on_finished = bar.update if bar is not None else None
         for b in sizes:
-            runs: dict[int, list[CellResult]] = {k: [] for k in lengths}
+            runs: dict[Draft, list[CellResult]] = {d: [] for d in drafts}
             n = cfg.requests_for(b)
-            for r in range(cfg.repeats):  # rounds over the draft lengths, interleaved
-                order = rotated(lengths, r)
+            for r in range(cfg.repeats):  # rounds over the drafts, interleaved
+                round_order = rotated(drafts, r)
                 if bar is not None:
                     bar.set_description(f"bench B={b} round {r + 1}/{cfg.repeats}")
                 first = WARMUP_REQUESTS + r * n
                 if cfg.interleave == "steps":
-                    for k in order:
-                        run_cell(engines[k], workload, b, min(b, WARMUP_REQUESTS), warm)
+                    for d in round_order:
+                        run_cell(engines[d], workload, b, min(b, WARMUP_REQUESTS), warm)
                     cell_runs = [
                         CellRun(
-                            engines[k],
+                            engines[d],
                             workload,
                             b,
                             n,
@@ -326,16 +289,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                             first_prompt=first,
                             on_finished=on_finished,
                         )
-                        for k in order
+                        for d in round_order
                     ]
                     results = run_side_by_side(cell_runs)
                 else:
                     results = []
-                    for k in order:
-                        run_cell(engines[k], workload, b, min(b, WARMUP_REQUESTS), warm)
+                    for d in round_order:
+                        run_cell(engines[d], workload, b, min(b, WARMUP_REQUESTS), warm)
                         results.append(
                             run_cell(
-                                engines[k],
+                                engines[d],
                                 workload,
                                 b,
                                 n,
@@ -344,18 +307,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                                 on_finished=on_finished,
                             )
                         )
-                for k, cell in zip(order, results):
-                    cell.draft_length = k
-                    runs[k].append(cell)
-            cells.extend(pool_runs(runs[k]) for k in lengths)
+                for d, cell in zip(round_order, results, strict=True):
+                    runs[d].append(cell)
+            cells.extend(pool_runs(runs[d]) for d in drafts)
     finally:
         for engine in engines.values():
             engine.shutdown()
         if bar is not None:
             bar.close()
-    cells.sort(key=lambda c: (c.batch_size, draft_length_order(c.draft_length)))
+    cells.sort(key=lambda c: (c.batch_size, order(c.draft)))
     compare_with_plain(cells)
     config = asdict(cfg)
+    config["trees"] = [str(t) for t in cfg.trees]
+    config["auto_shape"] = str(cfg.auto_shape) if "auto" in drafts else None
     config["num_requests_per_cell"] = {str(b): cfg.requests_for(b) for b in sizes}
     config["warmup"] = f"{WARMUP_REQUESTS} requests of {WARMUP_TOKENS} tokens before each cell"
     return BenchResult(
@@ -363,7 +327,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         workload_source=source,
         cells=cells,
         summary=crossover(cells)
-        | ({"auto_vs_fixed": auto_vs_fixed(cells)} if AUTO in engines else {}),
+        | ({"auto_vs_fixed": auto_vs_fixed(cells)} if "auto" in engines else {}),
         machine=machine_facts(),
         wall_s=time.perf_counter() - t0,
     )

@@ -6,20 +6,18 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from specbatch.bench.auto_vs_fixed import format_auto_vs_fixed
 from specbatch.bench.cells import CellResult
-from specbatch.bench.offline import AUTO, BenchResult, draft_length_label
+from specbatch.bench.drafts import PLAIN, Draft, is_tree, order
+from specbatch.bench.offline import BenchResult
 
-CSV_FIELDS = [f.name for f in fields(CellResult)]
-
-# (header, CellResult field, scale, digits)
-TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
+# (header, CellResult field, scale, digits; None: the value as it is spelt)
+TABLE_COLUMNS: tuple[tuple[str, str, float, int | None], ...] = (
     ("B", "batch_size", 1, 0),
-    ("k", "draft_length", 1, 0),
+    ("draft", "draft", 1, None),
     ("reqs", "num_requests", 1, 0),
     ("tok/s", "output_tok_s", 1, 1),
     ("full tok/s", "full_batch_tok_s", 1, 1),
@@ -31,6 +29,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
     ("alpha", "alpha", 1, 3),
     ("acc rate", "acceptance_rate", 1, 3),
     ("tok/round", "mean_tokens_per_round", 1, 2),
+    ("rows", "target_rows_per_step", 1, 1),
     ("c", "cost_ratio", 1, 3),
     ("verify", "verify_ratio", 1, 2),
     ("speedup", "measured_speedup", 1, 2),
@@ -39,9 +38,9 @@ TABLE_COLUMNS: tuple[tuple[str, str, float, int], ...] = (
 )
 
 
-def _cell_text(value: Any, scale: float, digits: int, name: str = "") -> str:
-    if name == "draft_length":
-        return draft_length_label(value)
+def _cell_text(value: Any, scale: float, digits: int | None) -> str:
+    if digits is None:
+        return str(value)
     if value is None:
         return "-"
     if digits == 0:
@@ -53,7 +52,7 @@ def format_table(cells: Sequence[CellResult]) -> str:
     """One line per cell, numbers right-aligned."""
     headers = [h for h, *_ in TABLE_COLUMNS]
     rows = [
-        [_cell_text(getattr(c, name), scale, d, name) for _, name, scale, d in TABLE_COLUMNS]
+        [_cell_text(getattr(c, name), scale, d) for _, name, scale, d in TABLE_COLUMNS]
         for c in cells
     ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -91,18 +90,33 @@ def format_report(result: BenchResult) -> str:
             if cfg.get("repeats", 1) > 1
             else ""
         ),
+    ]
+    if cfg.get("trees"):
+        lines.append(f"  trees     {' '.join(cfg['trees'])}, children {cfg['tree_children']}")
+    if cfg.get("auto_shape"):
+        lines.append(f"  auto      drafts up to {cfg['auto_shape']}, chosen per step")
+    lines += [
         "",
         format_table(result.cells),
         "",
         "tpot: time per output token after the first (mean, p50, p99); ttft: time to first "
         "token; e2e: request latency.",
-        "alpha: accepted / (accepted + rejections); acc rate: accepted / proposed; c: draft "
-        "pass / plain target step at this B;",
+        "draft: k drafts a round (0: plain decoding), a tree DxK/N (depth D, K children per "
+        "node, N nodes verified), or auto;",
+        "alpha: accepted / (accepted + rejections), for a tree the chance its walk passes a "
+        "level; acc rate: accepted / proposed;",
+        "rows: the target's rows per step (prompts, decodes, drafts verified); c: a draft pass "
+        "/ a plain target step at this B;",
         "verify: target time per speculative step / per plain step (THEORY's model takes 1);",
         "speedup: tok/s over k=0 at the same B; predicted: THEORY.md's "
-        "(1 - a^(g+1)) / ((1 - a)(g c + 1));",
+        "(1 - a^(g+1)) / ((1 - a)(g c + 1)), g the drafts a round or a tree's depth;",
         "pred(v): the same with the measured verify cost: E[tokens per round] / (g c + verify).",
     ]
+    if any(is_tree(c.draft) for c in result.cells):
+        lines.append(
+            "A tree's prediction takes its levels as passed independently at rate alpha down "
+            "to its full depth, as a chain's."
+        )
     cross = result.summary.get("crossover")
     best = result.summary.get("best_speedup_by_batch_size", {})
     if best:
@@ -115,11 +129,11 @@ def format_report(result: BenchResult) -> str:
             if cross is not None
             else "crossover: none in this grid (speculation helps at every batch size measured)"
         )
-    per_k = result.summary.get("crossover_by_draft_length", {})
-    if per_k:
+    per_draft = result.summary.get("crossover_by_draft", {})
+    if per_draft:
         lines.append(
-            "per draft length, speculation lowers throughput from batch size: "
-            + ", ".join(f"k={k}: {'-' if b is None else b}" for k, b in per_k.items())
+            "per draft, speculation lowers throughput from batch size: "
+            + ", ".join(f"{d}: {'-' if b is None else b}" for d, b in per_draft.items())
         )
     lines += format_auto_vs_fixed(result.summary.get("auto_vs_fixed", {}))
     lines.append(f"wall time {result.wall_s:.1f} s")
@@ -142,44 +156,54 @@ def write_json(result: BenchResult, path: Path) -> Path:
 
 def write_csv(cells: Sequence[CellResult], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [c.to_dict() for c in cells]
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
         w.writeheader()
-        for c in cells:
-            w.writerow({k: ("" if v is None else v) for k, v in c.to_dict().items()})
+        for row in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in row.items()})
     return path
 
 
-def _by_draft_length(cells: Sequence[CellResult]) -> dict[int, list[CellResult]]:
-    groups: dict[int, list[CellResult]] = {}
-    for c in sorted(cells, key=lambda c: (c.draft_length, c.batch_size)):
-        groups.setdefault(c.draft_length, []).append(c)
+def _by_draft(cells: Sequence[CellResult]) -> dict[Draft, list[CellResult]]:
+    groups: dict[Draft, list[CellResult]] = {}
+    for c in sorted(cells, key=lambda c: (order(c.draft), c.batch_size)):
+        groups.setdefault(c.draft, []).append(c)
     return groups
 
 
+def _curve_label(draft: Draft) -> str:
+    if draft == PLAIN:
+        return "plain (k=0)"
+    if draft == "auto":
+        return "auto"
+    if draft.is_chain:
+        return f"k={draft}"
+    return f"tree {draft}"
+
+
 def plot_throughput_latency(cells: Sequence[CellResult], path: Path, title: str) -> Path:
-    """Output tokens/s against mean time per output token, one curve per draft length, each
-    point labelled with its batch size."""
+    """Output tokens/s against mean time per output token, one curve per draft (length, tree,
+    auto), each point labelled with its batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
-    for k, group in _by_draft_length(cells).items():
+    for draft, group in _by_draft(cells).items():
         pts = [(c.tpot_mean * 1e3, c.output_tok_s, c.batch_size) for c in group if c.tpot_mean]
         if not pts:
             continue
         xs, ys, _ = zip(*pts, strict=True)
-        label = "plain (k=0)" if k == 0 else f"k={draft_length_label(k)}"
-        ax.plot(xs, ys, marker="o", label=label)
+        ax.plot(xs, ys, marker="o", label=_curve_label(draft))
         for x, y, b in pts:
             ax.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("time per output token, mean (ms)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(title="draft length")
+    ax.legend(title="draft")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -191,7 +215,7 @@ def plot_speedup(
     cells: Sequence[CellResult], path: Path, title: str, crossover: int | None
 ) -> Path:
     """Speedup over plain decoding against batch size: measured (solid) and THEORY.md's
-    prediction (dashed), one colour per draft length; the crossover marked."""
+    prediction (dashed), one colour per draft (length, tree, auto); the crossover marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,21 +223,21 @@ def plot_speedup(
 
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    spec = {k: g for k, g in _by_draft_length(cells).items() if k > 0 or k == AUTO}
-    for i, (k, group) in enumerate(spec.items()):
+    spec = {d: g for d, g in _by_draft(cells).items() if d != PLAIN}
+    for i, (draft, group) in enumerate(spec.items()):
         color = colors[i % len(colors)]
+        name = _curve_label(draft)
         meas = [(c.batch_size, c.measured_speedup) for c in group if c.measured_speedup]
         pred = [(c.batch_size, c.predicted_speedup) for c in group if c.predicted_speedup]
         if meas:
-            name = draft_length_label(k)
-            ax.plot(*zip(*meas, strict=True), marker="o", color=color, label=f"k={name} measured")
+            ax.plot(*zip(*meas, strict=True), marker="o", color=color, label=f"{name} measured")
         if pred:
             ax.plot(
                 *zip(*pred, strict=True),
                 marker="x",
                 linestyle="--",
                 color=color,
-                label=f"k={draft_length_label(k)} predicted",
+                label=f"{name} predicted",
             )
     ax.axhline(1.0, color="black", linewidth=0.8)
     if crossover is not None:

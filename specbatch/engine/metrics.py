@@ -20,6 +20,8 @@ class EngineMetrics:
     target_time_total: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)
     draft_length_counts: Counter[int] = field(default_factory=Counter)  # per decoding request
+    decoding_steps: int = 0  # steps in which some request could draft
+    drafting_steps: int = 0  # ... and some did
     prefix_cache_queries: int = 0  # tokens of requests admitted for the first time
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
@@ -31,13 +33,18 @@ class EngineMetrics:
         self.target_time_total += result.timings.get("target", 0.0)
         self.prefix_cache_queries += plan.prefix_cache_queries
         self.prefix_cache_hits += plan.prefix_cache_hits
+        decoding = drafting = False
         for sr in plan.requests:
             self.num_prompt_tokens += len(sr.target_token_ids) - (1 if sr.sample else 0)
             r = result.results.get(sr.request_id)
             if r is not None:
                 self.num_generated_tokens += len(r.token_ids)
-                self.spec.record(r.num_proposed, r.num_accepted)
+                self.spec.record(r.num_proposed, r.num_accepted, r.rejected)
                 self.draft_length_counts[sr.num_draft] += 1
+                decoding = decoding or len(sr.target_token_ids) == 1
+                drafting = drafting or sr.num_draft > 0
+        self.decoding_steps += decoding
+        self.drafting_steps += drafting
 
     def summary(self) -> dict[str, float | int | list[float] | None]:
         s = self.spec
@@ -54,6 +61,9 @@ class EngineMetrics:
             "mean_tokens_per_round": s.mean_tokens_per_round,
             "predicted_tokens_per_round": s.predicted_tokens_per_round(),
             "acceptance_by_position": s.acceptance_by_position,
+            "drafting_share": (
+                self.drafting_steps / self.decoding_steps if self.decoding_steps else None
+            ),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,

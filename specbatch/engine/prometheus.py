@@ -121,6 +121,16 @@ class _EngineCollector(Collector):
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage),
             ("spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens.", rate),
             ("spec_decode_alpha", "Accepted / (accepted + rejections) draft tokens.", alpha),
+            (
+                "spec_decode_drafting_share",
+                "Share of decoding steps in which some request drafted.",
+                nan if m.decoding_steps == 0 else m.drafting_steps / m.decoding_steps,
+            ),
+            (
+                "spec_decode_estimated_speedup",
+                "auto: its plans' expected tokens/s over no drafts', from measured pass costs.",
+                gain if (gain := getattr(e.scheduler.policy, "estimated_speedup", None)) else nan,
+            ),
         )
         counters = (
             ("prompt_tokens", "Prompt tokens processed.", m.num_prompt_tokens),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specbatch.bench.drafts import TREE_SPELLING, parse_draft_length, parse_tree
 from specbatch.bench.offline import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_DRAFT_LENGTHS,
@@ -17,12 +18,15 @@ from specbatch.bench.offline import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_OUTPUT_LEN_SPREAD,
     INTERLEAVE,
-    draft_length_arg,
 )
+from specbatch.errors import InvalidInputError
+from specbatch.speculative_config import TREE_CHILDREN
 
 FIELDS = (
     "batch_sizes",
     "draft_lengths",
+    "trees",
+    "tree_children",
     "input_len",
     "output_len",
     "output_len_spread",
@@ -31,26 +35,39 @@ FIELDS = (
     "prompts",
     "shared_prefix_len",
 )
-# Engine flags the command sets itself, per engine (auto's maximum: the largest K of
-# --draft-lengths).
+# Engine flags the command sets itself, per engine (auto's maximum: the deepest cell).
 _OWN_ENGINE_FIELDS = ("num_speculative_tokens", "max_draft_length", "max_num_seqs", "max_model_len")
 
 DESCRIPTION = """\
 Offline load test. For every batch size B (requests running concurrently: the engine is kept
-full at B, a new request taking the place of each finished one) and every draft length k
-(0: plain decoding of the target alone), run --num-requests requests of exactly --input-len
-prompt tokens and --output-len output tokens on average (spread by --output-len-spread), after
-a warm-up that is not counted. Reports per cell output tokens/s, time per output token (mean,
-p50, p99), time to first token, end-to-end latency, the measured acceptance rate and alpha,
-tokens per round, the draft/target cost ratio c, and the speedup over k=0 measured next to
-THEORY.md's prediction from alpha and c.
+full at B, a new request taking the place of each finished one) and every cell (a draft length
+k of --draft-lengths, 0 being plain decoding of the target alone, auto, or a draft tree of
+--trees), run --num-requests requests of exactly --input-len prompt tokens and --output-len
+output tokens on average (spread by --output-len-spread), after a warm-up that is not counted.
+Reports per cell output tokens/s, time per output token (mean, p50, p99), time to first token,
+end-to-end latency, the measured acceptance rate and alpha, tokens per round, the target's rows
+per step, the draft/target cost ratio c, the verify cost, and the speedup over k=0 measured
+next to THEORY.md's prediction from alpha and c (for a tree: a chain as deep, alpha being the
+chance its walk passes a level).
 Writes OUT.json, OUT.csv, OUT_throughput_latency.png and OUT_speedup.png.
 
-One engine per draft length, sharing the weights. By default the cells of a round run side by
-side, taking turns on the machine a step at a time, each measured in its engine's own time
-(--interleave steps), so the machine's drift falls on every draft length alike; --interleave
-cells runs them one after another instead. Default model: the built-in pair; default prompts:
+One engine per cell, sharing the weights. By default the cells of a round run side by side,
+taking turns on the machine a step at a time, each measured in its engine's own time
+(--interleave steps), so the machine's drift falls on every cell alike; --interleave cells runs
+them one after another instead. Default model: the built-in pair; default prompts:
 windows of the pair's held-out stdlib files."""
+
+
+def _arg(parse: Any) -> Any:
+    """An argparse type from a parser raising ``InvalidInputError``."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except InvalidInputError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
@@ -66,13 +83,31 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-lengths",
-        type=draft_length_arg,
+        type=_arg(parse_draft_length),
         nargs="+",
         default=list(DEFAULT_DRAFT_LENGTHS),
         metavar="K",
-        help="draft tokens per round, 0 = plain decoding, auto = num_speculative_tokens=auto "
-        "up to the largest K (default 4 when none is given) "
+        help="chains of K draft tokens per round, 0 = plain decoding, auto = "
+        "num_speculative_tokens=auto up to the deepest cell (4 when no other drafts), with "
+        "trees of the largest topk and nodes of --trees in its ladder "
         f"(default: {' '.join(map(str, DEFAULT_DRAFT_LENGTHS))})",
+    )
+    p.add_argument(
+        "--trees",
+        type=_arg(parse_tree),
+        nargs="+",
+        default=[],
+        metavar="DxK/N",
+        help="draft trees, cells beside the draft lengths: depth D (drafter passes a round), "
+        f"K >= 2 children per expanded node, N nodes verified ({TREE_SPELLING}; default: none)",
+    )
+    p.add_argument(
+        "--tree-children",
+        choices=TREE_CHILDREN,
+        default=TREE_CHILDREN[0],
+        help="the trees' children: sampled (drawn from q without replacement, verified by "
+        "recursive rejection sampling) or top (the top K, verified by the walk) "
+        f"(default: {TREE_CHILDREN[0]})",
     )
     p.add_argument(
         "--input-len",
@@ -172,7 +207,7 @@ def add_parser(subparsers: Any) -> Any:
     """Register ``bench`` and ``bench offline``; returns ``bench``'s sub-command action."""
     p = subparsers.add_parser(
         "bench",
-        help="load tests: offline (default) over batch sizes x draft lengths",
+        help="load tests: offline (default) over batch sizes x drafts (chains, trees, auto)",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -200,6 +235,14 @@ def config_from(args: argparse.Namespace) -> Any:
     spec = None
     if args.speculative_config is not None:  # the drafter; its draft lengths are the grid's
         parsed = parse_speculative_config(args.speculative_config)
+        tree = {"topk": parsed.topk != 1, "num_draft_tokens": parsed.num_draft_tokens is not None,
+                "tree_children": parsed.tree_children != TREE_CHILDREN[0]}  # fmt: skip
+        for key, given in tree.items():
+            if given:
+                flag = "--tree-children" if key == "tree_children" else "--trees"
+                raise InvalidInputError(
+                    f"speculative_config.{key}: bench takes the grid's trees from {flag}"
+                )
         spec = {"method": parsed.method, "prompt_lookup_max": parsed.prompt_lookup_max,
                 "prompt_lookup_min": parsed.prompt_lookup_min}  # fmt: skip
         if parsed.model is not None:
@@ -211,6 +254,8 @@ def config_from(args: argparse.Namespace) -> Any:
         draft_model=args.draft_model,
         batch_sizes=list(args.batch_sizes),
         draft_lengths=list(args.draft_lengths),
+        trees=list(args.trees),
+        tree_children=args.tree_children,
         input_len=args.input_len,
         output_len=args.output_len,
         output_len_spread=args.output_len_spread,

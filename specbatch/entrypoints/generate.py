@@ -214,5 +214,10 @@ def _drive(
             f"; acceptance rate {spec['acceptance_rate']:.3f} (alpha {spec['alpha']:.3f}), "
             f"{spec['mean_tokens_per_round']:.2f} tokens per round"
         )
+    if speculative and spec.get("drafting_share") is not None:
+        summary += f"; drafts in {100 * spec['drafting_share']:.0f}% of decoding steps"
+        gain = getattr(engine.scheduler.policy, "estimated_speedup", None)
+        if gain is not None:
+            summary += f" (estimated {gain:.2f}x the tokens/s of no drafts)"
     _say(summary)
     return 1 if num_rejected else 0

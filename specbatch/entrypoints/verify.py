@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from specbatch.config import default_model_path
-from specbatch.errors import InvalidInputError
 from specbatch.exactness import (
     DEFAULT_TEXT_PROMPT,
     format_report,
     verify_exactness,
 )
+from specbatch.exactness_report import POWER, TARGET_TV, USEFUL_TV
 
 # Fields whose names an error message may start with, mapped to flags by the CLI.
 FIELDS = ("num_samples", "tokens", "num_tokens", "alpha", "prompt", "prompt_token_ids")
 
-DESCRIPTION = """\
-Check that speculative decoding is exact on your own model pair: sample --num-samples
-continuations of --tokens tokens with speculation and as many without, count whole token
-sequences and run a chi-square test of homogeneity. Prints PASS (exit 0) when the p-value is at
-least --alpha, FAIL (exit 1) otherwise, and INCONCLUSIVE (exit 1) when the samples cannot tell
-anything (every sequence too rare, or the draft never used). An exact engine FAILs by chance
-with probability --alpha. The first token comes from the prompt pass, so --tokens L lets the
-draft propose at most L-2 tokens a round: use L >= k+2 to exercise every draft position."""
+DESCRIPTION = f"""\
+Check that speculative decoding is exact on your own model pair, as the engine runs it (no
+flags: the built-in target with its EAGLE-3 head and the engine's draft length k). Samples
+--num-samples continuations of --tokens tokens with speculation and as many without, and
+compares them token by token: each token's law given its prefix bin, a chi-square test per
+token, Bonferroni across tokens. Prints FAIL (exit 1) when the p-value is below --alpha,
+INCONCLUSIVE (exit 1) when the draft never ran or the test could not catch a total-variation
+difference of {USEFUL_TV:g}, PASS (exit 0) otherwise, with the difference it would have caught
+with probability {POWER:g}. An exact engine FAILs by chance with probability at most --alpha.
+By default --tokens is k + 2, so that the first round after the prompt proposes all k drafts,
+and --num-samples what catches {TARGET_TV:g} at every token. With --temperature 0 the sequences
+must simply be the same."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -41,25 +43,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", metavar="DIR", help="target model directory (default: the built-in pair)"
-    )
-    p.add_argument("--draft-model", metavar="DIR", help="draft model directory")
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=4,
-        metavar="K",
-        help="draft tokens per round (default: 4)",
-    )
-    p.add_argument(
         "--num-samples",
         type=int,
-        default=2000,
+        default=None,
         metavar="N",
-        help="samples per side (default: 2000)",
+        help=f"samples per side (default: enough to catch a difference of {TARGET_TV:g} "
+        "at every token)",
     )
     p.add_argument(
-        "--tokens", type=int, default=3, metavar="L", help="tokens per sample (default: 3)"
+        "--tokens",
+        type=int,
+        default=None,
+        metavar="L",
+        help="tokens per sample (default: the draft length k + 2)",
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument(
@@ -83,45 +79,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the runs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_sampling_flags(p, skip=("max_tokens",), stop_flags=False)
-    add_engine_flags(p, skip=("model", "draft_model", "num_speculative_tokens", "seed"),
-                     help_overrides={"speculative_config": "the drafter to check, as JSON "
-                                     "(instead of --draft-model; default: the built-in pair's "
-                                     "EAGLE head)"})  # fmt: skip
+    add_sampling_flags(p, skip=("max_tokens", "min_tokens", "n", "logprobs"), stop_flags=False)
+    drafter_help = "the drafter to check, as vLLM's JSON (default: the built-in EAGLE-3 head)"
+    add_engine_flags(p, skip=("seed",), help_overrides={"speculative_config": drafter_help})
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from specbatch.entrypoints.engine_flags import ENGINE_FLAGS
-    from specbatch.speculative_config import parse_speculative_config
 
-    if args.draft_model is not None and args.speculative_config is not None:
-        raise InvalidInputError("--draft-model and --speculative-config: give one")
-    if args.model is not None and args.draft_model is None and args.speculative_config is None:
-        raise InvalidInputError(
-            "--model: give its drafter too (--draft-model or --speculative-config), or neither "
-            "to check the built-in pair"
-        )
-    model = args.model or default_model_path("target")
-    drafter: dict[str, Any] = {"method": "eagle"}  # the built-in default
-    if args.draft_model is not None:
-        drafter = {"method": "draft_model", "model": args.draft_model}
-    elif args.speculative_config is not None:
-        parse_speculative_config(args.speculative_config)  # its errors name the field
-        drafter = json.loads(args.speculative_config)
-    skip = {"model", "draft_model", "num_speculative_tokens", "seed", "speculative_config"}
-    engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field not in skip}
+    engine_kwargs = {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if f.field != "seed"}
     report = verify_exactness(
-        model,
-        speculative_config=drafter,
-        num_speculative_tokens=args.num_speculative_tokens,
+        engine_kwargs.pop("model"),
+        engine_kwargs.pop("draft_model"),
+        speculative_config=engine_kwargs.pop("speculative_config"),
+        num_speculative_tokens=engine_kwargs.pop("num_speculative_tokens"),
         num_samples=args.num_samples,
         num_tokens=args.tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         prompt=args.prompt,
         prompt_token_ids=args.prompt_token_ids,
         alpha=args.alpha,

@@ -1,4 +1,4 @@
-"""Compile the CPU kernels (``csrc/*.c``) once per machine into the extension module
+"""Compile the CPU kernels (every ``csrc/*.c``) once per machine into the extension module
 ``_specbatch_cpu`` and import it.
 
 The library is built with the system C compiler for the CPU it runs on (``-march=native``) into
@@ -25,7 +25,6 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("module.c", "gemm.c", "gemm_amx.c", "layer_ops.c", "attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 # the AVX2 build on a CPU that also has AVX-512 (tests exercise both paths on such a machine)
 AVX2_ONLY = ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16")
@@ -61,15 +60,17 @@ def _compiler() -> str:
     return cc
 
 
-def library_path(avx2_only: bool = False) -> Path:
+def library_path(avx2_only: bool = False, csrc: Path = CSRC, defines: tuple[str, ...] = ()) -> Path:
     """Where the library for this machine lives; built there first if it is not.
-    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512."""
+    ``avx2_only`` builds the AVX2 path even where the CPU has AVX-512; ``csrc`` is the folder
+    of the sources (another version of them, for a benchmark's A/B); ``defines`` are macros
+    for the compiler (a test build of a path this CPU would not take)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"only built on Linux x86-64, this is {platform.platform()}")
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         raise KernelBuildError("the CPU has no AVX2 and FMA")
-    build_flags = (*FLAGS, *AVX2_ONLY) if avx2_only else FLAGS
+    build_flags = (*FLAGS, *(AVX2_ONLY if avx2_only else ()), *(f"-D{m}" for m in defines))
     cc = _compiler()
     try:
         version = subprocess.run(
@@ -78,8 +79,9 @@ def library_path(avx2_only: bool = False) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"the C compiler '{cc}' does not run: {e}") from e
     digest = hashlib.sha256()
-    for name in (*SOURCES, "common.h"):
-        digest.update((CSRC / name).read_bytes())
+    sources = sorted(csrc.glob("*.c"))
+    for path in (*sources, *sorted(csrc.glob("*.h"))):
+        digest.update(path.name.encode() + path.read_bytes())
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         raise KernelBuildError(f"no Python headers (Python.h) under {include}")
@@ -91,7 +93,7 @@ def library_path(avx2_only: bool = False) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cc, *build_flags, f"-I{include}", "-o", tmp, *(str(CSRC / s) for s in SOURCES), "-lm"]
+    cmd = [cc, *build_flags, f"-I{include}", "-o", tmp, *map(str, sources), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -103,10 +105,12 @@ def library_path(avx2_only: bool = False) -> Path:
     return lib
 
 
-def load_module(avx2_only: bool = False) -> ModuleType:
+def load_module(
+    avx2_only: bool = False, csrc: Path = CSRC, defines: tuple[str, ...] = ()
+) -> ModuleType:
     import torch  # noqa: F401  (torch's OpenMP runtime must be the one the module binds to)
 
-    path = library_path(avx2_only)
+    path = library_path(avx2_only, csrc, defines)
     try:
         loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
         spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)

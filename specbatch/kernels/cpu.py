@@ -47,6 +47,7 @@ class CpuKernels:
         info = module.info()
         self.bf16_dot = bool(info["bf16_dot"])  # AVX512-BF16 (else bfloat16 runs as FMA pairs)
         self.max_head_dim = int(info["max_head_dim"])
+        self.tree_rows = int(info["tree"])  # attention's tree masks cover sequences this long
         self.amx_available = bool(info["amx"])
         self.use_amx(_env_on("SPECBATCH_CPU_AMX"))
 
@@ -215,15 +216,33 @@ class CpuKernels:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        tree_mask: torch.Tensor | None = None,
+        tree_starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]`` (rows may be strided) over the cache -> ``[T, Hq, D]``."""
+        """``q [T, Hq, D]`` (rows may be strided) over the cache -> ``[T, Hq, D]``.
+
+        Every row sees its sequence's context; of the new tokens, row ``i`` sees ``0 .. i``
+        (causal). With ``tree_mask`` (int64 ``[T]``), the sequences whose ``tree_starts``
+        (int64 ``[B]``; default: each one's first new token) is not -1 are trees: a row sees
+        every key before its tree's start and, from there, the keys ``start + j`` whose bit
+        ``j`` is set in its entry (trees of at most ``tree_rows`` keys; longer ones stay
+        causal); see ``model/layers/attention.py``. A row must see itself."""
         t, hq, d = q.shape
         out = torch.empty((t, hq, d), dtype=q.dtype)
+        tree = starts = None
+        if tree_mask is not None:
+            if tree_mask.dtype != torch.int64 or tree_mask.shape != (t,):
+                raise ValueError(f"tree_mask must be int64 [{t}], got {tree_mask.dtype} "
+                                 f"{tuple(tree_mask.shape)}")  # fmt: skip
+            if tree_starts is None:
+                tree_starts = seq_lens - (query_start_loc[1:] - query_start_loc[:-1])
+            tree_mask, tree_starts = tree_mask.contiguous(), tree_starts.contiguous()
+            tree, starts = tree_mask.data_ptr(), tree_starts.data_ptr()  # held until it returns
         self._m.paged_attention(
             seq_lens.shape[0], query_start_loc.data_ptr(), seq_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), q.data_ptr(), q.stride(0), hq,
             k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[3], scale,
-            out.data_ptr(), _is_bf16(q),
+            out.data_ptr(), tree, starts, _is_bf16(q),
         )  # fmt: skip
         return out
 

@@ -136,8 +136,6 @@ class _FlatLayers:
     ) -> None:
         """q/k/v of the normed input ``x``, their rotation, the K/V write and attention over
         the paged cache, then the output projection into ``out``."""
-        if meta.tree_starts is not None:
-            raise NotImplementedError("draft trees: the CPU attention kernel takes no tree mask")
         m, bf16, eps = self.m, self.bf16, self.eps
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.scratch(ws, "qkv", t, lay.qkv.n)
@@ -159,7 +157,8 @@ class _FlatLayers:
         m.paged_attention(
             meta.seq_lens.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
             meta.block_tables.data_ptr(), meta.block_tables.stride(0), q, ld, hq,
-            k_cache.shape[1], d, kc, vc, bs, self.scale, attn.data_ptr(), bf16,
+            k_cache.shape[1], d, kc, vc, bs, self.scale, attn.data_ptr(),
+            _ptr(meta.tree_masks), _ptr(meta.tree_starts), bf16,
         )  # fmt: skip
         self.linear(t, lay.o, attn, out)
 

@@ -17,29 +17,31 @@ Seconds. A step costs the target's pass over all its rows (the prompt chunks it 
 included, and what admissions will add), the drafter's passes (one per depth after the first,
 over the requests' beams), and the rest of the step, each measured (row_costs.py).
 
-The choice. Drafts pay when the tokens they add are worth the seconds they add at the rate the
-engine makes tokens anyway: the plan of highest ``tokens - rate * seconds``, ``rate`` being the
-engine's recent tokens per second. So drafting stops where verifying rows or drafting passes
-cost more than the tokens they bring, and a step that carries prompts is priced at its margin.
-Each sampling class gets its own shape (two sweeps of choosing one class's shape with the
-others fixed).
+The choice. Every request will emit its tokens whatever is drafted; drafts only change how
+many seconds that takes. A draft pays when the tokens it adds cost fewer seconds than decoding
+them would: the plan of highest ``tokens - rate * seconds``, ``rate`` being what a step of the
+same requests without drafts and without prompts makes a second. So drafting stops where
+verifying rows or drafting passes cost more than the tokens they bring, and a step that carries
+prompts is priced at its margin. Each sampling class gets its own shape (two sweeps of
+choosing one class's shape with the others fixed), all drafting classes of a step with the
+same children per node.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
 from specbatch.scheduler.output import SchedulerOutput, StepResult
-from specbatch.scheduler.row_costs import RowCosts
+from specbatch.scheduler.row_costs import FAST, SLOW, RowCosts
 
 PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
 PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
 TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
 PROBE_EVERY = 32  # steps between two runs of the runner-up plan (keeps its figures fresh)
-RATE_MEMORY = 0.2  # share of a step's tokens per second that moves the engine's rate
+MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
@@ -84,6 +86,17 @@ def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
 
 
 @dataclass
+class _Step:
+    """What one step's choice reads, and the plans it priced."""
+
+    counts: Counts
+    alphas: Alphas
+    behind: Counts  # tokens each class's drafter must catch up on
+    prompt_rows: int
+    memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
+
+
+@dataclass
 class Plan:
     shapes: Shapes
     value: float  # expected tokens less the seconds' worth
@@ -103,9 +116,9 @@ class DraftController:
         self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
         self._class_of: dict[str, SamplingClass] = {}
         self._steps: defaultdict[int, int] = defaultdict(int)
-        self.rate: float | None = None  # the engine's recent tokens per second
-        self._rate_used = 0.0
         self.last: Plan | None = None
+        # the chosen plans' expected tokens and seconds, and those of no drafts, summed
+        self.expected = [0.0, 0.0, 0.0, 0.0]
 
     # ---- expectations --------------------------------------------------------------------
     def alpha(self, cls: SamplingClass, requests: list[Request]) -> float:
@@ -132,11 +145,19 @@ class DraftController:
         return (got + TREE_PRIOR_ROUNDS * bound) / (rounds + TREE_PRIOR_ROUNDS)
 
     # ---- prices --------------------------------------------------------------------------
-    def seconds(self, counts: Counts, plan: Shapes, prompt_rows: int) -> float | None:
+    def seconds(
+        self, counts: Counts, plan: Shapes, prompt_rows: int, behind: Counts | None = None
+    ) -> float | None:
+        """Seconds of a step where each class drafts its shape; ``behind``: the tokens each
+        class's drafter must catch up on before drafting (it lags while a request drafts
+        nothing)."""
         rows = prompt_rows + sum(n * (1 + plan[c].nodes) for c, n in counts.items())
         t = self.target.seconds(rows)
         if t is None:
             return None
+        catch_up = sum(behind[c] for c in counts if behind and plan[c].nodes)
+        if catch_up:
+            t += self.drafter.seconds(catch_up) or 0.0
         depth = max(s.depth for s in plan.values())
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
@@ -152,58 +173,94 @@ class DraftController:
         for r in requests:
             groups[sampling_class(r)].append(r)
         self._class_of = {r.request_id: sampling_class(r) for r in requests}
-        alphas = {c: self.alpha(c, rs) for c, rs in groups.items()}
-        counts = {c: len(rs) for c, rs in groups.items()}
-        unpriced = self.target.level is None
-        plan = {c: DraftShape() for c in groups}
-        if not unpriced:
-            plan = self._best(counts, alphas, prompt_rows)
+        none = {c: DraftShape() for c in groups}
+        if self.target.level is None:  # nothing priced yet
+            return [DraftShape()] * len(requests)
+        behind = {
+            c: sum(r.num_tokens - r.num_draft_computed for r in rs) for c, rs in groups.items()
+        }
+        step = _Step(
+            counts={c: len(rs) for c, rs in groups.items()},
+            alphas={c: self.alpha(c, rs) for c, rs in groups.items()},
+            behind=behind,
+            prompt_rows=prompt_rows,
+        )
+        decode_only = self.seconds(step.counts, none, 0)  # what no drafts make a second
+        rate = len(requests) / (decode_only or 1.0)
+        plan = self._best(step, rate, none)
         n = len(requests)
         self._steps[n] += 1
-        if not unpriced and self._steps[n] % PROBE_EVERY == 0:
-            plan = self._runner_up(counts, alphas, prompt_rows, plan)
+        if self._steps[n] % PROBE_EVERY == 0:
+            plan = self._runner_up(step, rate, plan)
+        for i, p in ((0, plan), (2, none)):  # the estimated effect
+            tokens, seconds = self._estimate(step, p)
+            if seconds:
+                self.expected[i] += tokens
+                self.expected[i + 1] += seconds
         return [plan[sampling_class(r)] for r in requests]
 
-    def _value(
-        self, counts: Counts, alphas: Alphas, plan: Shapes, prompt_rows: int, rate: float
-    ) -> float:
-        """Expected tokens less what the step's seconds are worth at ``rate``."""
-        t = self.seconds(counts, plan, prompt_rows)
-        if t is None:
-            return float("-inf")
-        tokens = sum(n * self.tokens(c, alphas[c], plan[c]) for c, n in counts.items())
-        return tokens - rate * t
+    def _estimate(self, step: _Step, plan: Shapes) -> tuple[float, float | None]:
+        """Expected tokens and seconds of ``plan`` (each computed once a step)."""
+        key = tuple(sorted(plan.items()))
+        got = step.memo.get(key)
+        if got is None:
+            counts = step.counts
+            tokens = sum(n * self.tokens(c, step.alphas[c], plan[c]) for c, n in counts.items())
+            got = step.memo[key] = (
+                tokens,
+                self.seconds(counts, plan, step.prompt_rows, step.behind),
+            )
+        return got
 
-    def _best(self, counts: Counts, alphas: Alphas, prompt_rows: int) -> Shapes:
-        plan = {c: DraftShape() for c in counts}
-        rate = self.rate
-        if rate is None:  # before any step was seen: this step's own rate without drafts
-            t = self.seconds(counts, plan, prompt_rows) or 1.0
-            rate = sum(counts.values()) / t
-        best = self._value(counts, alphas, plan, prompt_rows, rate)
-        for _ in range(2):
-            for c in sorted(counts, key=lambda c: -counts[c]):
+    def _value(self, step: _Step, plan: Shapes, rate: float) -> float:
+        """Expected tokens less what the step's seconds are worth at ``rate``."""
+        tokens, seconds = self._estimate(step, plan)
+        return float("-inf") if seconds is None else tokens - rate * seconds
+
+    def _best(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
+        # drafts must beat no drafts by a margin: where they barely pay, the model's errors
+        # would decide, and a wrong draft costs more than a wrong abstention
+        best = self._value(step, plan, rate) + MARGIN * sum(step.counts.values())
+        classes = sorted(step.counts, key=lambda c: -step.counts[c])
+        for _ in range(1 if len(classes) == 1 else 2):
+            for c in classes:
+                others = {s.topk for d, s in plan.items() if d != c and s.nodes}
                 for shape in self.shapes:
+                    if shape.nodes and others and shape.topk not in others:
+                        continue  # one number of children per node in a step
                     trial = {**plan, c: shape}
-                    value = self._value(counts, alphas, trial, prompt_rows, rate)
+                    value = self._value(step, trial, rate)
                     if value > best:
                         plan, best = trial, value
-        self._rate_used = rate
         self.last = Plan(plan, best)
         return plan
 
-    def _runner_up(self, counts, alphas, prompt_rows, plan):
-        """The best plan that differs from ``plan`` in the largest class's shape."""
-        c = max(counts, key=lambda c: counts[c])
-        others = [s for s in self.shapes if s != plan[c]]
+    def _runner_up(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
+        """The best plan that differs from ``plan`` in the largest class's shape, unless it is
+        expected to lose more than a tenth of a token a request (then ``plan`` again)."""
+        c = max(step.counts, key=lambda c: step.counts[c])
+        topks = {s.topk for d, s in plan.items() if d != c and s.nodes}
+        others = [s for s in self.shapes
+                  if s != plan[c] and not (s.nodes and topks and s.topk not in topks)]  # fmt: skip
         if not others:
             return plan
-        rate = self._rate_used
 
         def value(s: DraftShape) -> float:
-            return self._value(counts, alphas, {**plan, c: s}, prompt_rows, rate)
+            return self._value(step, {**plan, c: s}, rate)
 
-        return {**plan, c: max(others, key=value)}
+        pick = max(others, key=value)
+        if value(plan[c]) - value(pick) > 0.1 * sum(step.counts.values()):
+            return plan
+        return {**plan, c: pick}
+
+    @property
+    def estimated_speedup(self) -> float | None:
+        """The chosen plans' expected tokens per second over those of no drafts, in the steps
+        run so far, from the measured pass costs (what the engine can know of its effect)."""
+        tok, sec, tok0, sec0 = self.expected
+        if not (sec and sec0 and tok0):
+            return None
+        return (tok / sec) / (tok0 / sec0)
 
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
@@ -227,15 +284,12 @@ class DraftController:
                 y = self.yields.setdefault((cls, shape), [0.0, 0.0])
                 y[0] += r.num_accepted + 1
                 y[1] += 1
-        emitted = sum(len(r.token_ids) for r in result.results.values())
-        if seconds > 0 and emitted:
-            now = emitted / seconds
-            self.rate = now if self.rate is None else self.rate + RATE_MEMORY * (now - self.rate)
         passes = 0.0
         for model, rows, secs in result.passes:
             (self.target if model == "target" else self.drafter).observe(rows, secs)
             passes += secs
-        if result.passes:
-            rest = max(seconds - passes, 0.0)
+        if result.passes:  # as the passes' costs: fast towards less time, slowly to more
+            rest = max(seconds - passes, 1e-6)
             old = self.rest.get(deepest)
-            self.rest[deepest] = rest if old is None else old + 0.25 * (rest - old)
+            rate = FAST if old is None or rest < old else SLOW
+            self.rest[deepest] = rest if old is None else old * (rest / old) ** rate

@@ -3,11 +3,15 @@
 The worker times every pass it runs (the target's, each drafter pass) with its row count. A
 pass's log-seconds is read as a level, shared by every row count and following the machine's
 speed (which drifts by tens of percent within minutes on a shared host), plus an offset per
-row bucket: so a bucket measured a minute ago still compares fairly with one measured now. A
-bucket's first pass sets its offset; later ones move the level fast and the offset slowly.
-Buckets never measured are interpolated between measured ones on a log-log scale; outside
-them they are priced optimistically (the smallest's cost scaled down with the rows, the
-largest's kept flat), so that a plan whose rows were never measured is tried once and priced.
+row bucket: so a bucket measured a minute ago still compares fairly with one measured now.
+Other work on the machine only ever adds time to a pass, so both move fast towards a pass
+faster than they expect and slowly towards a slower one: they follow the machine's speed, not
+its interruptions; offsets move ten times slower than the level, so a drift moves the level.
+A bucket's first pass sets its offset, capped at what its rows would cost in proportion to the
+nearest smaller bucket's (more rows never cost more than that). A bucket never measured is
+priced optimistically, as its nearest smaller measured bucket (or, below them all, the
+smallest's cost scaled down with the rows), so that a plan whose rows were never measured is
+tried once and then priced by what it cost.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import bisect
 import math
 
-LEVEL_RATE = 0.3  # share of a pass's unexplained log-time that moves the level
-OFFSET_MEMORY = 20  # passes a bucket's offset averages over (then a moving average as long)
+FAST, SLOW = 0.3, 0.03  # shares of a faster / slower pass's surprise that move the level
+CONTRAST = 0.1  # offsets move this much slower than the level: a drift moves the level
 
 
 def row_bucket(rows: int) -> int:
@@ -28,30 +32,46 @@ class RowCosts:
     def __init__(self) -> None:
         self.level: float | None = None  # log seconds
         self.offsets: dict[int, float] = {}  # row bucket -> log seconds beyond the level
-        self.counts: dict[int, int] = {}  # row bucket -> passes measured
         self._sorted: list[int] = []
+        self._prices: dict[int, float] = {}  # rows -> seconds, until the next pass is measured
 
     def observe(self, rows: int, seconds: float) -> None:
+        self._prices.clear()
         y = math.log(max(seconds, 1e-7))
+        x = 4 * math.log2(max(rows, 1))
         b = row_bucket(rows)
         if self.level is None:
             self.level = y
         if b not in self.offsets:  # a new row count: its contrast, not the machine's drift
+            cap = self._cap(b)
             bisect.insort(self._sorted, b)
-            self.offsets[b], self.counts[b] = y - self.level, 1
+            self.offsets[b] = min(y - self.level, cap)
             return
-        self.level += LEVEL_RATE * (y - self.level - self._offset(4 * math.log2(max(rows, 1))))
-        self.counts[b] += 1
-        self.offsets[b] += (y - self.level - self.offsets[b]) / min(self.counts[b], OFFSET_MEMORY)
+        surprise = y - self.level - self._offset(x)
+        self.level += (FAST if surprise < 0 else SLOW) * surprise
+        surprise = y - self.level - self.offsets[b]
+        self.offsets[b] += CONTRAST * (FAST if surprise < 0 else SLOW) * surprise
+
+    def _cap(self, b: int) -> float:
+        """The most bucket ``b``'s offset may be: in proportion to a smaller bucket's rows."""
+        i = bisect.bisect_left(self._sorted, b)
+        if i == 0:
+            return math.inf
+        lo = self._sorted[i - 1]
+        return self.offsets[lo] + (b - lo) / 4 * math.log(2)
 
     def seconds(self, rows: int) -> float | None:
         """A pass over ``rows`` rows now; None before any pass was measured."""
         if self.level is None or rows <= 0:
             return None if self.level is None else 0.0
-        return math.exp(self.level + self._offset(4 * math.log2(rows)))
+        price = self._prices.get(rows)
+        if price is None:
+            price = self._prices[rows] = math.exp(self.level + self._offset(4 * math.log2(rows)))
+        return price
 
     def _offset(self, x: float) -> float:
-        """The offset at bucket position ``x`` (fractional: rows between two buckets)."""
+        """The offset at bucket position ``x`` (fractional: rows between two buckets); a
+        fraction above a measured bucket is priced as that bucket."""
         s = self._sorted
         if not s:
             return 0.0
@@ -60,8 +80,4 @@ class RowCosts:
             return self.offsets[s[i]]
         if i == 0:  # fewer rows than any measured: proportionally cheaper
             return self.offsets[s[0]] + (x - s[0]) / 4 * math.log(2)
-        if i == len(s):  # more rows than any measured: as dear as the largest
-            return self.offsets[s[-1]]
-        lo, hi = s[i - 1], s[i]
-        w = (x - lo) / (hi - lo)
-        return (1 - w) * self.offsets[lo] + w * self.offsets[hi]
+        return self.offsets[s[i - 1]]  # as dear as the nearest smaller measured bucket

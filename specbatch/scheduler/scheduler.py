@@ -183,17 +183,17 @@ class Scheduler:
         )
 
     def _draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
-        """What the drafter's KV cache catches up on this step (see ``draft_input``)."""
-        if self.draft_input == "features":
-            return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
-        # A draft model catches up on a request's unseen tokens in the steps where it proposes
-        # for it, and reads prompt chunks with the target unless the policy last wanted no
-        # drafts at all: a request that drafts nothing lets it lag, at no draft work.
-        if self.draft_input == "tokens" and (
+        """What the drafter's KV cache catches up on this step (see ``draft_input``). A drafter
+        catches up on a request in the steps where it drafts for it, and on prompt chunks with
+        the target unless the policy last wanted no drafts at all: a request that drafts
+        nothing lets it lag, at no draft work."""
+        if self.draft_input == "none" or not (
             drafts or (self._prompt_chunk(req, n) and not self._draft_idle)
         ):
-            return req.token_slice(req.num_draft_computed, end)
-        return []
+            return []
+        if self.draft_input == "features":  # the positions the target processed before
+            return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
+        return req.token_slice(req.num_draft_computed, end)
 
     def _schedule_running(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         """Slots for every running request's unprocessed tokens; returns how many were preempted."""

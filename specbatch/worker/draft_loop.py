@@ -105,25 +105,101 @@ def grow(
     shapes = [step.shapes[i] for i in roots.index]
     topk = max(s.topk for s in shapes)
     assert all(s.topk == topk for s in shapes), "a step drafts one number of children per node"
-    tree = topk > 1
-    g = _Grower(step, roots, forward, block_size, topk, sampled and not step.greedy)
-    g.run(max(s.depth for s in shapes), [s.depth for s in shapes])
-    nodes = torch.tensor([s.nodes for s in shapes], dtype=torch.int64, device=device)
-    tokens, parents, counts, probs = g.select(nodes, tree)
+    parents = None
+    if topk == 1:
+        tokens, probs = _chain(step, roots, forward, block_size, [s.depth for s in shapes])
+        counts = [s.depth for s in shapes]
+    else:
+        g = _Grower(step, roots, forward, block_size, topk, sampled and not step.greedy)
+        g.run(max(s.depth for s in shapes), [s.depth for s in shapes])
+        nodes = torch.tensor([s.nodes for s in shapes], dtype=torch.int64, device=device)
+        tokens, parents, count_t, probs = g.select(nodes)
+        counts = count_t.tolist()
     width = tokens.shape[1]
     out = Proposal.empty(batch, device, width)
     where = torch.tensor(roots.index, dtype=torch.int64, device=device)
     out.tokens[where] = tokens
     out.counts = [0] * batch
-    for i, n in zip(roots.index, counts.tolist(), strict=True):
+    for i, n in zip(roots.index, counts, strict=True):
         out.counts[i] = n
-    if tree:
+    if parents is not None:
         out.parents = torch.zeros(batch, width, dtype=torch.int64, device=device)
         out.parents[where] = parents
     if probs is not None:
         out.probs = torch.zeros(batch, width, probs.shape[2], device=device)
         out.probs[where] = probs
     return out
+
+
+def _chain(
+    step: DraftRound, roots: Roots, forward: DraftPass, block_size: int, depths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chains: each request's draft d drawn from q (its argmax, greedy) at the one before.
+    Returns tokens [A, D] and, for sampled steps, q [A, D, V] (q of draft d + 1 at column d)."""
+    device = roots.logits.device
+    a, top = len(roots.index), max(depths)
+    tokens = torch.zeros(a, top, dtype=torch.int64, device=device)
+    probs = None if step.greedy else torch.zeros(a, top, roots.logits.shape[1], device=device)
+    live = list(range(a))  # the requests still drafting, as rows of ``tokens``
+    index = torch.tensor(roots.index, dtype=torch.int64, device=device)
+    rows = torch.arange(a, device=device)
+    logits, state = roots.logits, roots.state
+    for d in range(1, top + 1):
+        who = index[rows]
+        if step.penalties is not None:
+            before = torch.full_like(who, d - 1)
+            logits = step.penalties.apply(logits, who, tokens[rows, : d - 1], before)
+        if probs is None:
+            x = logits.argmax(dim=-1)
+        else:
+            st = SamplingTensors.from_params([step.params[roots.index[i]] for i in live], device)
+            q = logits_to_probs(logits, st)
+            x = sample(q, step.uniforms[who, d - 1])
+            probs[rows, d - 1] = q
+        tokens[rows, d - 1] = x
+        keep = [k for k, i in enumerate(live) if depths[i] > d]
+        if not keep:
+            break
+        if len(keep) < len(live):
+            sel = torch.tensor(keep, dtype=torch.int64, device=device)
+            x, rows = x[sel], rows[sel]
+            state = None if state is None else state.index_select(0, sel)
+            live = [live[k] for k in keep]
+        base = [roots.base[i] for i in live]
+        inputs = beam_inputs(base, roots.tables.index_select(0, rows), d, 1, block_size, x)
+        state, logits = step.timed(len(live), lambda: forward(x, state, inputs))  # noqa: B023
+    return tokens, probs
+
+
+def beam_inputs(
+    base: list[int],
+    tables: torch.Tensor,
+    d: int,
+    k: int,
+    block_size: int,
+    tokens: torch.Tensor,
+    bits: torch.Tensor | None = None,
+) -> ForwardInputs:
+    """A drafter pass over each request's ``k`` beam nodes of depth ``d``: read at position
+    ``base + d - 1``, written at key index ``base + (d - 1) * k + j``; with ``bits`` (a tree),
+    each sees the keys before ``base`` and, from there on, its ancestors."""
+    device = tables.device
+    n = len(base)
+    base_t = torch.tensor(base, dtype=torch.int64, device=device)
+    keys = base_t[:, None] + (d - 1) * k + torch.arange(k, device=device)[None, :]
+    slots = tables.gather(1, keys // block_size) * block_size + keys % block_size
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(0, n * k + 1, k, device=device),
+        seq_lens=base_t + d * k,
+        block_tables=tables,
+        slot_mapping=slots.reshape(-1),
+        query_lens_cpu=[k] * n,
+        seq_lens_cpu=[b + d * k for b in base],
+    )
+    if bits is not None:
+        meta.tree_starts = base_t
+        meta.tree_masks = bits.reshape(-1)
+    return ForwardInputs(tokens, (base_t + d - 1).repeat_interleave(k), meta)
 
 
 class _Grower:
@@ -284,32 +360,16 @@ class _Grower:
         """The drafter over the beam of depth ``d`` of the requests that draft deeper (read at
         depth d's position); the others' rows come back zero and are never read."""
         a, k = beam.shape
-        bs = self.block_size
         idx = live.nonzero()[:, 0]
         n = idx.shape[0]
-        base_cpu = [b for b, alive in zip(self.roots.base, live.tolist(), strict=True) if alive]
-        base = torch.tensor(base_cpu, dtype=torch.int64, device=self.device)
-        keys = base[:, None] + (d - 1) * k + torch.arange(k, device=self.device)[None, :]
-        tables = self.roots.tables.index_select(0, idx)
-        slots = tables.gather(1, keys // bs) * bs + keys % bs
-        meta = AttentionMetadata(
-            query_start_loc=torch.arange(0, n * k + 1, k, device=self.device),
-            seq_lens=base + d * k,
-            block_tables=tables,
-            slot_mapping=slots.reshape(-1),
-            query_lens_cpu=[k] * n,
-            seq_lens_cpu=[b + d * k for b in base_cpu],
-        )
-        if k > 1:
-            meta.tree_starts = base
-            meta.tree_masks = bits.index_select(0, idx).reshape(-1)
+        base = [b for b, alive in zip(self.roots.base, live.tolist(), strict=True) if alive]
         tokens = self.token.index_select(0, idx).gather(1, beam.index_select(0, idx) - 1)
         tokens = tokens.reshape(-1)
-        positions = (base + d - 1).repeat_interleave(k)
+        tables = self.roots.tables.index_select(0, idx)
+        inputs = beam_inputs(base, tables, d, k, self.block_size, tokens, bits.index_select(0, idx))
         rows = (idx[:, None] * k + torch.arange(k, device=self.device)[None, :]).reshape(-1)
         if parent_state is not None:
             parent_state = parent_state.index_select(0, rows)
-        inputs = ForwardInputs(tokens, positions, meta)
         state, logits = self.step.timed(n * k, lambda: self.forward(tokens, parent_state, inputs))
         if n == a:
             return state, logits
@@ -319,20 +379,16 @@ class _Grower:
         return state, full
 
     def select(
-        self, nodes: torch.Tensor, tree: bool
+        self, nodes: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Keep each request's ``nodes`` best candidates: (tokens [A, N], parents [A, N] in the
         kept numbering, counts [A], q [A, N, V] at the kept nodes or None)."""
         a, m = self.token.shape
-        if not tree:  # a chain keeps its first ``nodes`` candidates, in depth order
-            keep = torch.arange(m, device=self.device)[None, :] < nodes[:, None]
-            keep &= self.prune >= 0
-        else:
-            order = torch.sort(-self.prune, dim=1, stable=True).indices
-            rank = torch.empty_like(order).scatter_(
-                1, order, torch.arange(m, device=self.device).expand(a, m).contiguous()
-            )
-            keep = (rank < nodes[:, None]) & (self.prune >= 0)
+        order = torch.sort(-self.prune, dim=1, stable=True).indices
+        rank = torch.empty_like(order).scatter_(
+            1, order, torch.arange(m, device=self.device).expand(a, m).contiguous()
+        )
+        keep = (rank < nodes[:, None]) & (self.prune >= 0)
         counts = keep.sum(dim=1)
         width = int(counts.max()) if a else 0
         new_id = torch.cumsum(keep.to(torch.int64), dim=1) * keep  # 1-based, 0 where dropped

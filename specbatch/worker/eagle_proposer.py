@@ -21,7 +21,7 @@ from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import ScheduledRequest
 from specbatch.worker.draft_loop import Roots, block_tables, catch_up, drafting, grow
-from specbatch.worker.model_runner import ForwardInputs, ModelRunner
+from specbatch.worker.model_runner import ForwardInputs, ModelRunner, move_slots
 from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
 
@@ -58,8 +58,7 @@ class EagleProposer(Drafter):
                 self.head.use_cpu_kernels(kernels)
         self.feature_layers = self.head.streams
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # per request: the first position of the features kept, and the features
-        self.pending: dict[str, tuple[int, torch.Tensor]] = {}
+        self.pending: dict[str, KeptFeatures] = {}  # per request, until the head reads them
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.head.kv_cache_bytes_per_token() * block_size
@@ -70,23 +69,14 @@ class EagleProposer(Drafter):
         )
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            self.backend.move_slots(k_cache, v_cache, s, d)
+        move_slots(self.backend, self.kv_caches, src, dst, self.device)
 
     def finish_request(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
 
     def _features(self, r: ScheduledRequest) -> torch.Tensor:
-        start, feats = self.pending[r.request_id]
-        lo, n = r.draft_start - start, len(r.draft_token_ids)
-        if lo < 0 or lo + n > feats.shape[0]:
-            raise RuntimeError(
-                f"EAGLE: request {r.request_id} needs target features of positions "
-                f"{r.draft_start}..{r.draft_start + n - 1}, kept {start}..{start + len(feats) - 1}"
-            )
-        return feats[lo : lo + n]
+        kept = self.pending[r.request_id]
+        return kept.take(r.draft_start, len(r.draft_token_ids), r.request_id)
 
     @torch.inference_mode()
     def propose(self, step: DraftRound) -> Proposal:
@@ -124,10 +114,45 @@ class EagleProposer(Drafter):
         return feature, self.head.compute_logits(hidden)
 
     def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
-        """Keep the features of the positions the target processed and kept: a prompt chunk's
-        rows, or a decoding request's last token and its accepted drafts."""
+        """Keep the features of the positions the target processed and kept (a prompt chunk's
+        rows, or a decoding request's last token and its accepted drafts), after those the
+        head has not caught up on yet: it lags while the policy gives a request no drafts."""
         assert outcome.target is not None
-        features = outcome.target.features
-        for r, rows in zip(step.requests, outcome.kept_rows, strict=True):
-            index = torch.tensor(rows, dtype=torch.int64, device=features.device)
-            self.pending[r.request_id] = (r.target_start, features.index_select(0, index))
+        rows = [row for kept in outcome.kept_rows for row in kept]
+        index = torch.tensor(rows, dtype=torch.int64, device=outcome.target.features.device)
+        new = outcome.target.features.index_select(0, index)  # one copy for the whole step
+        at = 0
+        for r, kept_rows in zip(step.requests, outcome.kept_rows, strict=True):
+            kept = self.pending.get(r.request_id)
+            if kept is None or kept.end != r.target_start:  # new, or recomputed from the start
+                kept = self.pending[r.request_id] = KeptFeatures(r.target_start)
+            kept.drop_before(r.draft_start + len(r.draft_token_ids))  # what the head now holds
+            kept.add(new[at : at + len(kept_rows)])
+            at += len(kept_rows)
+
+
+class KeptFeatures:
+    """One request's target features of consecutive positions ``start .. end - 1``, kept in
+    the chunks the steps produced until the head reads them."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.end = start
+        self.chunks: list[torch.Tensor] = []
+
+    def add(self, rows: torch.Tensor) -> None:
+        self.chunks.append(rows)
+        self.end += rows.shape[0]
+
+    def drop_before(self, position: int) -> None:
+        while self.chunks and self.start + self.chunks[0].shape[0] <= position:
+            self.start += self.chunks.pop(0).shape[0]
+
+    def take(self, position: int, n: int, request_id: str) -> torch.Tensor:
+        if position < self.start or position + n > self.end:
+            raise RuntimeError(
+                f"EAGLE: request {request_id} needs target features of positions "
+                f"{position}..{position + n - 1}, kept {self.start}..{self.end - 1}"
+            )
+        whole = self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+        self.chunks = [whole]
+        return whole[position - self.start : position - self.start + n]

@@ -1,6 +1,8 @@
 """Draft trees as tensors: node 0 is a request's root (its last known token), nodes 1..n its
 drafts, each with a parent of lower index. Batched over requests, [B, N] per quantity; a row
-with fewer nodes is padded (parent 0, never read)."""
+with fewer nodes is padded (never read). Derived without a loop over nodes: ancestors by
+pointer doubling, and since a parent always has a lower index, a node's path is its
+ancestors in index order."""
 
 from __future__ import annotations
 
@@ -27,38 +29,41 @@ class Topology:
             ones = torch.ones(batch, n + 1, dtype=torch.int64, device=device)
             empty = torch.full((batch, n + 1, 1), -1, dtype=torch.int64, device=device)
             return Topology(ones - 1, ones, empty, empty.clone())
-        valid = torch.arange(1, n + 1, device=device)[None, :] <= counts[:, None]
-        parent = torch.where(valid, parents, 0)
-        depth = torch.zeros(batch, n + 1, dtype=torch.int64, device=device)
-        bits = torch.ones(batch, n + 1, dtype=torch.int64, device=device)
-        for j in range(1, n + 1):  # a parent always has a lower index: one pass in order
-            p = parent[:, j - 1]
-            depth[:, j] = torch.where(valid[:, j - 1], depth.gather(1, p[:, None])[:, 0] + 1, 0)
-            inherited = bits.gather(1, p[:, None])[:, 0]
-            bits[:, j] = torch.where(valid[:, j - 1], inherited | _bit(j, device), 0)
-        # sibling order: the number of earlier valid nodes with the same parent
-        same = (parent[:, :, None] == parent[:, None, :]) & valid[:, None, :] & valid[:, :, None]
-        earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
-        rank = (same & earlier[None]).sum(dim=2)  # [B, N]
-        width = max(1, int(rank.max()) + 1) if n else 1
-        children = torch.full((batch, n + 1, width), -1, dtype=torch.int64, device=device)
-        node = torch.arange(1, n + 1, device=device).expand(batch, n)
-        where = parent * width + rank
-        flat = children.view(batch, -1)
-        flat.scatter_(1, torch.where(valid, where, flat.shape[1] - 1), torch.where(valid, node, -1))
-        max_depth = max(1, int(depth.max())) if n else 1
-        path = torch.full((batch, n + 1, max_depth), -1, dtype=torch.int64, device=device)
-        nodes = torch.arange(n + 1, device=device).expand(batch, n + 1)
-        at = nodes.clone()
-        full_parent = torch.cat([torch.zeros_like(parent[:, :1]), parent], dim=1)
-        for _ in range(max_depth):  # walk up from every node, filling its path from the end
-            d = depth.gather(1, at)
-            put = (d > 0) & (at > 0)
-            col = (d - 1).clamp(min=0)
-            cur = path.gather(2, col[:, :, None])[:, :, 0]
-            path.scatter_(2, col[:, :, None], torch.where(put, at, cur)[:, :, None])
-            at = torch.where(put, full_parent.gather(1, at), at)
-        return Topology(depth, bits, children, path)
+        nodes = torch.arange(n + 1, device=device)
+        valid = nodes[None, :] <= counts[:, None]  # [B, N+1], the root included
+        root = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        up = torch.where(valid, torch.cat([root, parents], dim=1), 0)  # the root is its own parent
+        # is_anc[b, j, i]: node i is node j or one of its ancestors (doubling: log2(N) steps)
+        is_anc = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool, device=device)
+        is_anc.scatter_(2, nodes.expand(batch, -1)[:, :, None], True)
+        is_anc |= torch.zeros_like(is_anc).scatter_(2, up[:, :, None], True)
+        reach = up
+        for _ in range(max(1, (n + 1).bit_length())):
+            is_anc |= is_anc.gather(1, reach[:, :, None].expand(-1, -1, n + 1))
+            reach = reach.gather(1, reach)
+        is_anc &= valid[:, :, None]
+        depth = is_anc.sum(dim=2) - 1
+        depth = torch.where(valid, depth, 0)
+        weights = torch.where(nodes < 63, 1 << nodes.clamp(max=62), 0)
+        bits = (is_anc.long() * weights).sum(dim=2)
+        if n >= 63:  # bit 63 is the sign of an int64
+            bits = torch.where(is_anc[:, :, 63], bits | _bit(63, device), bits)
+        # the path: ancestors but the root, in index order
+        on_path = is_anc.clone()
+        on_path[:, :, 0] = False
+        max_depth = max(1, int(depth.max()))
+        col = torch.where(on_path, on_path.cumsum(dim=2) - 1, max_depth)
+        path = torch.full((batch, n + 1, max_depth + 1), -1, dtype=torch.int64, device=device)
+        path.scatter_(2, col, nodes.expand(batch, n + 1, -1).contiguous())
+        path = path[:, :, :max_depth]
+        # children in index (drawing) order: node j's k-th child is its k-th node with parent j
+        child = (up[:, None, :] == nodes[None, :, None]) & valid[:, None, :]  # [B, parent, node]
+        child[:, :, 0] = False
+        width = max(1, int(child.sum(dim=2).max()))
+        slot = torch.where(child, child.cumsum(dim=2) - 1, width)
+        children = torch.full((batch, n + 1, width + 1), -1, dtype=torch.int64, device=device)
+        children.scatter_(2, slot, nodes.expand(batch, n + 1, -1).contiguous())
+        return Topology(depth, bits, children[:, :, :width], path)
 
 
 def _bit(j: int, device: torch.device) -> torch.Tensor:

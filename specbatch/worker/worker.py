@@ -24,6 +24,7 @@ import torch
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.draft_shape import DraftShape
+from specbatch.drafters import DRAFTERS
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import (
     RequestStepResult,
@@ -76,7 +77,10 @@ class Worker:
         )
         self.drafter = make_drafter(config, self.device, draft_tp, self.target)
         self.draft: ModelRunner | None = getattr(self.drafter, "runner", None)
-        self.sampled_children = config.tree_children == "sampled"
+        kind = DRAFTERS.get(config.spec_method)
+        self.sampled_children = (
+            config.tree_children == "sampled" and kind is not None and (kind.samples)
+        )
         self._states: dict[str, _RequestState] = {}
 
     # ---- set-up ----------------------------------------------------------------------------

@@ -108,6 +108,13 @@ SB_INLINE void bf16_pairs(const uint16_t* p, vf* even, vf* odd) {
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+/* The same from 16 32-bit lanes of which those outside m read as 0 (and are not touched). */
+SB_INLINE void bf16_pairs_masked(const uint16_t* p, vmask m, vf* even, vf* odd) {
+    __m512i v = m == 0xffff ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 #else
 /* ---- AVX2 + FMA: two registers, lanes 0-7 and 8-15 --------------------------------------- */
 #define SB_WIDE 0
@@ -258,6 +265,20 @@ SB_INLINE void bf16_pairs(const uint16_t* p, vf* even, vf* odd) {
     const __m256i top = _mm256_set1_epi32((int)0xffff0000u);
     __m256i lo = _mm256_loadu_si256((const __m256i*)p);
     __m256i hi = _mm256_loadu_si256((const __m256i*)p + 1);
+    *even = VF2(_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)));
+    *odd = VF2(_mm256_castsi256_ps(_mm256_and_si256(lo, top)),
+               _mm256_castsi256_ps(_mm256_and_si256(hi, top)));
+}
+
+SB_INLINE void bf16_pairs_masked(const uint16_t* p, vmask m, vf* even, vf* odd) {
+    if (m == 0xffff) {
+        bf16_pairs(p, even, odd);
+        return;
+    }
+    const __m256i top = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i lo = _mm256_maskload_epi32((const int*)p, mask8(m & 0xffu));
+    __m256i hi = _mm256_maskload_epi32((const int*)p + 8, mask8(m >> 8));
     *even = VF2(_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
                 _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)));
     *odd = VF2(_mm256_castsi256_ps(_mm256_and_si256(lo, top)),

@@ -8,12 +8,13 @@
  * while the weights stream past (decoding at batch 1 sends one row). With several rows, a
  * group's first tile prefetches the next group, whose panels then arrive while the other tiles
  * compute. bfloat16 runs on the BF16 dot product where the CPU has it, else as two FMAs per
- * pair (k, then k + 1). Every output is summed over k in the same order whatever the tile, M
- * or the row's place in x, so a row's result does not depend on the rest of the batch. */
+ * pair (k, then k + 1). More than MR rows go to gemm_tall.c's taller tiles, except bfloat16 on
+ * the dot product. Every output is summed over k in the same order whatever the tile, M or the
+ * row's place in x, so a row's result does not depend on the rest of the batch. */
 #include <omp.h>
-#include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define MR 4
 #if SB_WIDE
@@ -74,11 +75,9 @@ SB_INLINE void finish(const int TM, const int TP, vf acc[MR][NPMAX], int mr, int
     }
 }
 
-/* bias_bf16 / y_bf16: the bias and y in bfloat16 (the widened bfloat16 path below) */
 SB_INLINE void kernel_f32(const int TM, const int TP, int mr, int np, int K, const float* x,
-                          long ldx, const float* w, long pstride, int n_left, const void* bias,
-                          const int bias_bf16, void* y, long ldy, const int y_bf16,
-                          const float* pf) {
+                          long ldx, const float* w, long pstride, int n_left, const float* bias,
+                          float* y, long ldy, const float* pf) {
     vf acc[MR][NPMAX];
     for (int m = 0; m < TM; m++)
         for (int j = 0; j < TP; j++) acc[m][j] = vf_zero();
@@ -96,7 +95,7 @@ SB_INLINE void kernel_f32(const int TM, const int TP, int mr, int np, int K, con
             }
         }
     }
-    finish(TM, TP, acc, mr, np, n_left, bias, bias_bf16, y, ldy, y_bf16);
+    finish(TM, TP, acc, mr, np, n_left, bias, 0, y, ldy, 0);
 }
 
 /* kernel_f32 with the tile of tm rows (the call's constants let every tile keep its sums in
@@ -105,17 +104,25 @@ SB_INLINE void tile_f32(int tm, int mr, int np, int K, const float* x, long ldx,
                         long pstride, int n_left, const float* bias, float* y, long ldy,
                         const float* pf) {
     if (tm == 1)
-        kernel_f32(1, NP1, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+        kernel_f32(1, NP1, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, pf);
     else if (tm == 2)
-        kernel_f32(2, NP2, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+        kernel_f32(2, NP2, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, pf);
     else if (tm == 3)
-        kernel_f32(3, NP3, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+        kernel_f32(3, NP3, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, pf);
     else
-        kernel_f32(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, 0, y, ldy, 0, pf);
+        kernel_f32(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, pf);
 }
+
+/* gemm_tall.c */
+void sb_linear_tall(int M, int N, int K, const void* x, long ldx, const void* wp, int w_bf16,
+                    const void* bias, void* y, long ldy, int y_bf16);
 
 void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* wp,
                    const float* bias, float* y, long ldy) {
+    if (M > MR) {
+        sb_linear_tall(M, N, K, x, ldx, wp, 0, bias, y, ldy, 0);
+        return;
+    }
     int npanel = (N + NR - 1) / NR;
     int tm = tile_rows(M), tp = tile_panels(tm);
     int ngroup = (npanel + tp - 1) / tp;
@@ -222,54 +229,6 @@ SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, co
     }
     finish(TM, TP, acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
-
-/* More than MR rows: x and each group of panels are widened to float32 once and every block of
- * rows runs the float32 kernel on them. The FMAs and their order are kernel_bf16's, so a row
- * gets the same bits either way. */
-static void linear_bf16_widened(int M, int N, int K, const uint16_t* x, long ldx,
-                                const uint16_t* wp, const uint16_t* bias, void* y, long ldy,
-                                int y_f32) {
-    float* xf = (float*)malloc(sizeof(float) * (size_t)M * (size_t)K);
-    for (int m = 0; m < M; m++)
-        for (int i = 0; i < K; i += 16)
-            store16(xf + (long)m * K + i, lanes(K - i), load16(x + (long)m * ldx + i, lanes(K - i), 1), 0);
-    int npanel = (N + NR - 1) / NR;
-    int ngroup = (npanel + NP - 1) / NP;
-    long pstride = (long)((K + 1) / 2) * 2 * NR, wstride = (long)K * NR;
-    int par = omp_get_max_threads() > 1 && (double)M * N * K > 2e5;
-    int esz = y_f32 ? 4 : 2;
-#pragma omp parallel if (par)
-    {
-        float* wf = (float*)malloc(sizeof(float) * NP * (size_t)wstride);
-#pragma omp for schedule(static)
-        for (int g = 0; g < ngroup; g++) {
-            int p = g * NP;
-            int np = npanel - p < NP ? npanel - p : NP;
-            for (int j = 0; j < np; j++) {
-                const uint16_t* src = wp + (p + j) * pstride;
-                float* dst = wf + j * wstride;
-                for (int k = 0; k < K; k += 2) {
-                    vf e, o;
-                    bf16_pairs(src + (long)k * NR, &e, &o);
-                    vf_storeu(dst + (long)k * NR, e);
-                    if (k + 1 < K) vf_storeu(dst + (long)(k + 1) * NR, o);
-                }
-            }
-            for (int m = 0; m < M; m += MR) {
-                int mr = M - m < MR ? M - m : MR;
-                char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
-                if (y_f32)
-                    kernel_f32(MR, NP, mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
-                               bias ? bias + p * NR : 0, 1, yp, ldy, 0, 0);
-                else
-                    kernel_f32(MR, NP, mr, np, K, xf + (long)m * K, K, wf, wstride, N - p * NR,
-                               bias ? bias + p * NR : 0, 1, yp, ldy, 1, 0);
-            }
-        }
-        free(wf);
-    }
-    free(xf);
-}
 #endif
 
 SB_INLINE void tile_bf16(int tm, int mr, int np, int K, const uint16_t* x, long ldx,
@@ -285,9 +244,6 @@ SB_INLINE void tile_bf16(int tm, int mr, int np, int K, const uint16_t* x, long 
         kernel_bf16(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, y_bf16, pf);
 }
 
-void sb_linear_bf16_amx(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*,
-                        void*, long, int);
-
 /* Set by sb_set_amx: bfloat16 multiplies with K a multiple of 32 go to gemm_amx.c. */
 static int use_amx = 0;
 
@@ -302,7 +258,7 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
     }
 #ifndef __AVX512BF16__
     if (M > MR) {
-        linear_bf16_widened(M, N, K, x, ldx, wp, bias, y, ldy, y_f32);
+        sb_linear_tall(M, N, K, x, ldx, wp, 1, bias, y, ldy, !y_f32);
         return;
     }
 #endif

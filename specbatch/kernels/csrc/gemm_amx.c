@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>

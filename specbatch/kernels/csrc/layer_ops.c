@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 /* If residual: residual = x + residual (rounded to the dtype), normalised from it; else from x.
  * out = w * dtype(v / sqrt(mean(v^2) + eps)). Rows of n elements; x rows ldx apart. */

@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 typedef union {
     long long i;
     double f;
@@ -36,22 +38,6 @@ static int parse(PyObject* const* args, Py_ssize_t n, const char* fmt, arg_t* ou
     return 0;
 }
 
-void sb_linear_f32(int, int, int, const float*, long, const float*, const float*, float*, long);
-void sb_linear_bf16(int, int, int, const uint16_t*, long, const uint16_t*, const uint16_t*, void*,
-                    long, int);
-void sb_rms_norm(int, int, const void*, long, void*, const void*, float, void*, int);
-void sb_head_rms_norm(int, int, int, void*, long, const void*, float, int);
-void sb_rope(int, int, int, void*, long, const int64_t*, const float*, const float*, int);
-void sb_silu_and_mul(int, int, const void*, void*, int);
-void sb_write_kv(int, int, int, const void*, long, const void*, long, const int64_t*, void*, void*,
-                 int, int);
-void sb_paged_attention(int, const int64_t*, const int64_t*, const int64_t*, long, const void*,
-                        long, int, int, int, const void*, const void*, int, float, void*, int);
-int sb_has_bf16_dot(void);
-int sb_amx_available(void);
-void sb_set_amx(int);
-int sb_attention_max_head_dim(void);
-
 #define I(k) ((int)a[k].i)
 #define L(k) ((long)a[k].i)
 #define P(k) (a[k].p)
@@ -76,15 +62,16 @@ WRAP(rope, "iiipipppi", sb_rope(I(0), I(1), I(2), P(3), L(4), P(5), P(6), P(7), 
 WRAP(silu_and_mul, "iippi", sb_silu_and_mul(I(0), I(1), P(2), P(3), I(4)))
 WRAP(write_kv, "iiipipipppii",
      sb_write_kv(I(0), I(1), I(2), P(3), L(4), P(5), L(6), P(7), P(8), P(9), I(10), I(11)))
-WRAP(paged_attention, "ipppipiiiippifpi",
+WRAP(paged_attention, "ipppipiiiippifpppi",
      sb_paged_attention(I(0), P(1), P(2), P(3), L(4), P(5), L(6), I(7), I(8), I(9), P(10), P(11),
-                        I(12), F(13), P(14), I(15)))
+                        I(12), F(13), P(14), P(15), P(16), I(17)))
 
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
-                         sb_amx_available(), "max_head_dim", sb_attention_max_head_dim());
+    return Py_BuildValue("{s:i,s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
+                         sb_amx_available(), "max_head_dim", sb_attention_max_head_dim(), "tree",
+                         sb_attention_tree_rows());
 }
 
 #define FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}

@@ -148,15 +148,18 @@ class AttentionBackend(ABC):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
 
-    def move_slots(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-    ) -> None:
-        """Copy the keys and values of slots ``src`` into slots ``dst`` (a verified draft
-        tree's accepted nodes, moved next to their root); for the ``[blocks, block_size,
-        kv_heads, D]`` layout."""
-        for cache in (k_cache, v_cache):
-            flat = cache.view(-1, cache.shape[2], cache.shape[3])
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+    def slot_rows(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where slots' keys and values lie: indices into the key and the value cache seen as
+        rows (``cache_rows``), the same for every layer of a model. For the ``[blocks,
+        block_size, kv_heads, D]`` layout, a slot is a row."""
+        return slots, slots
+
+    @staticmethod
+    def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+        """The cache as the rows ``slot_rows`` indexes."""
+        return cache.view(-1, cache.shape[2], cache.shape[3])
 
     @abstractmethod
     def forward(

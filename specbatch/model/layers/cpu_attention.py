@@ -35,16 +35,15 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.kernels.kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim)
 
-    def move_slots(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-    ) -> None:
-        for cache, index in zip(
-            (k_cache, v_cache), self.kernels.slot_elements(k_cache, v_cache), strict=True
-        ):
-            flat = cache.view(-1)
-            flat.index_copy_(
-                0, index(dst).reshape(-1), flat.index_select(0, index(src).reshape(-1))
-            )
+    def slot_rows(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.kernels.slot_elements(k_cache, v_cache)
+        return keys(slots).reshape(-1), values(slots).reshape(-1)
+
+    @staticmethod
+    def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(-1)
 
     def forward(
         self,
@@ -56,9 +55,8 @@ class CpuAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.tree_starts is not None:
-            raise NotImplementedError("draft trees: the CPU attention kernel takes no tree mask")
         self.kernels.write_kv(k, v, meta.slot_mapping, k_cache, v_cache)
         return self.kernels.paged_attention(
-            q, meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache, v_cache, scale
-        )
+            q, meta.query_start_loc, meta.seq_lens, meta.block_tables, k_cache, v_cache, scale,
+            meta.tree_masks, meta.tree_starts,
+        )  # fmt: skip

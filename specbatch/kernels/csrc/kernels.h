@@ -1,0 +1,45 @@
+/* The functions the kernels' C files export: module.c calls them from Python, gemm.c calls the
+ * AMX path. Every C file includes this header, so that a definition that drifts from its
+ * declaration does not compile. Pointers are to float32, bfloat16 (uint16_t) or, with a `bf16`
+ * flag, either; leading dimensions (ld*) are in elements. */
+#ifndef SPECBATCH_KERNELS_H
+#define SPECBATCH_KERNELS_H
+
+#include <stdint.h>
+
+/* gemm.c: y[M, N] = x[M, K] W^T (+ bias) on weights packed in panels (cpu.py: pack_linear) */
+void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* wp,
+                   const float* bias, float* y, long ldy);
+void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint16_t* wp,
+                    const uint16_t* bias, void* y, long ldy, int y_f32);
+int sb_has_bf16_dot(void);
+void sb_set_amx(int on);
+
+/* gemm_amx.c */
+int sb_amx_available(void);
+void sb_linear_bf16_amx(int M, int N, int K, const uint16_t* x, long ldx, const uint16_t* wp,
+                        const uint16_t* bias, void* y, long ldy, int y_f32);
+
+/* layer_ops.c */
+void sb_rms_norm(int rows, int n, const void* x, long ldx, void* residual, const void* w,
+                 float eps, void* out, int bf16);
+void sb_head_rms_norm(int rows, int heads, int d, void* x, long ldx, const void* w, float eps,
+                      int bf16);
+void sb_rope(int rows, int heads, int d, void* x, long ldx, const int64_t* positions,
+             const float* cos, const float* sin, int bf16);
+void sb_silu_and_mul(int rows, int n, const void* x, void* out, int bf16);
+void sb_write_kv(int rows, int hkv, int d, const void* k, long ldk, const void* v, long ldv,
+                 const int64_t* slots, void* k_cache, void* v_cache, int block_size, int bf16);
+
+/* attention.c: q [T, hq, d] (rows ldq apart) over the paged cache -> out [T, hq, d]; tree: NULL
+ * (causal) or one 64-bit mask per row over the keys from its sequence's tree_starts[b] on
+ * (tree_starts[b] < 0: that sequence is causal) */
+void sb_paged_attention(int num_seqs, const int64_t* qsl, const int64_t* seq_lens,
+                        const int64_t* block_tables, long bt_stride, const void* q, long ldq,
+                        int hq, int hkv, int d, const void* k_cache, const void* v_cache,
+                        int block_size, float scale, void* out, const uint64_t* tree,
+                        const int64_t* tree_starts, int bf16);
+int sb_attention_max_head_dim(void);
+int sb_attention_tree_rows(void);
+
+#endif
