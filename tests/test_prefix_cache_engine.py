@@ -1,8 +1,9 @@
 """Prefix caching through the engine, on tiny random checkpoints: greedy outputs of requests that
-start on cached blocks equal transformers' greedy generate with every drafter, also when the
-cached blocks were written beside rolled-back drafts, when the pool is smaller than the distinct
-prefixes (eviction), for ``n > 1`` with the cache on and off; and a planted bug that publishes a
-block before its last slot holds a verified token's K/V is caught."""
+start on cached blocks equal transformers' greedy generate with every drafter (chains, trees,
+``auto``), also when the drafter lags (its requests drafting nothing), when the cached blocks
+were written beside rolled-back drafts, when the pool is smaller than the distinct prefixes
+(eviction), for ``n > 1`` with the cache on and off; and a planted bug that publishes a block
+before its last slot holds a verified token's K/V is caught."""
 
 from __future__ import annotations
 
@@ -11,19 +12,27 @@ import random
 import pytest
 
 from specbatch import LLM, SamplingParams
+from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
+from specbatch.request import Request
 from specbatch.scheduler.scheduler import Scheduler
+from specbatch.scheduler.speculation import FixedDraft
 from specbatch.testing.eagle_heads import make_eagle_head
 from tests.helpers import hf_greedy, make_perturbed_draft
 
 BS = 4
 MAX_NEW = 16
+TREE = {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 5}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 SPEC = {
     "plain": None,
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "eagle3-auto": {"method": "eagle3", "num_speculative_tokens": "auto"},
+    "draft_model-tree": {"method": "draft_model", **TREE},
+    "eagle3-tree": {"method": "eagle3", **TREE},
+    "ngram-tree": {"method": "ngram", **TREE, "prompt_lookup_min": 1},
 }
 
 
@@ -74,9 +83,45 @@ def test_greedy_with_hits_equals_transformers(models, method):
     assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
     # every prompt found its full blocks of the base cached (a boundary token recomputed)
     cached = [o.num_cached_tokens for o in outs]
-    assert cached[:5] == ([20, 15, 15, 16, 3] if method == "eagle3" else [20, 15, 16, 16, 4])
+    eagle = method.startswith("eagle3")
+    assert cached[:5] == ([20, 15, 15, 16, 3] if eagle else [20, 15, 16, 16, 4])
     # each variant's full blocks in the base were cached (less a recomputed last token)
     assert llm.engine.metrics.prefix_cache_hits >= 20 + 15 + 15 + 16 + 4 + 32 - 2
+
+
+class DraftsNow(FixedDraft):
+    """The engine's fixed drafts in one step of three, none in the others: its drafter lags
+    in between, as under ``auto``."""
+
+    def __init__(self, shape: DraftShape) -> None:
+        super().__init__(shape)
+        self.steps = 0
+
+    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        self.steps += 1
+        return [self.shape if self.steps % 3 == 0 else DraftShape()] * len(requests)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "eagle3-tree"])
+def test_greedy_with_hits_while_the_drafter_lags(models, method):
+    """Requests that draft in one step of three: their drafter catches up on every full block
+    all the same, so the prompt and the output of the first are cached for the next ones."""
+    llm = engine(models, method)
+    sched = llm.engine.scheduler
+    sched.policy = DraftsNow(llm.engine.config.draft_shape)
+    base, _ = family(4)
+    (first,) = generate(llm, [base])
+    batch = [base + first[:n] + [7] for n in (4, 9, 13)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert [first, *got] == hf_greedy(models[0], [base, *batch], MAX_NEW)
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    m = llm.engine.metrics
+    assert m.spec.rounds > 0 and m.draft_length_counts[0] > m.spec.rounds  # mostly lagging
+    # every full block the first request published (with an EAGLE head, less the position
+    # whose K/V read the first request's next token rather than 7)
+    eagle = method.startswith("eagle3")
+    assert [o.num_cached_tokens for o in outs] == ([24, 31, 35] if eagle else [24, 32, 36])
 
 
 def test_a_hit_on_blocks_whose_neighbours_were_rolled_back(models):

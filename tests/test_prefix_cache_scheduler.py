@@ -18,15 +18,16 @@ from tests.test_scheduler_stress import random_mix
 BS = 4
 
 
-def make(num_blocks=64, k=0, draft_input="none", max_seqs=8, budget=256, seed=0):
-    """A scheduler with the prefix cache, its KV manager, and a shadow worker."""
+def make(num_blocks=64, k=0, draft_input="none", max_seqs=8, budget=256, seed=0, policy=None):
+    """A scheduler with the prefix cache, its KV manager, and a shadow worker (speculating
+    when ``k`` > 0 or a policy is given)."""
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True)
     sched = Scheduler(
         SchedulerLimits(max_seqs, budget, 128),
         kv,
         StopChecker(None),
-        policy=FixedDraft(k),
-        speculative=k > 0,
+        policy=policy or FixedDraft(k),
+        speculative=k > 0 or policy is not None,
         draft_input=draft_input,
     )
     return sched, kv, ShadowWorker(sched, random.Random(seed))
@@ -224,5 +225,30 @@ def test_a_request_waits_for_the_blocks_another_is_computing(draft_input, k, sta
         if b is not None:
             break
     assert b.target_start == start and steps == (2 if draft_input == "none" else 3)
+    w.run()
+    assert all_blocks_back(kv)
+
+
+@pytest.mark.parametrize(
+    ("draft_input", "start", "steps"), [("tokens", 12, 2), ("features", 11, 3)]
+)
+def test_a_drafter_that_lags_still_lets_every_block_be_published(draft_input, start, steps):
+    """A policy that never drafts lets the drafter lag (as ``auto`` does); with the prefix
+    cache it still catches up on every full block, so that the block can be published: a
+    request that arrives beside the first waits one step at most (an EAGLE head's, which then
+    recomputes the last shared position, read with another token), and one that arrives after
+    it finds the prompt and the first request's output cached."""
+    sched, kv, w = make(draft_input=draft_input, policy=FixedDraft(0))  # drafting nothing
+    shared = list(range(1, 13))  # three full blocks
+    sched.add_request(req("a", [*shared, 50], max_tokens=12))
+    sched.add_request(req("b", [*shared, 60]))
+    plan, b = first_plan(sched, w, "b")
+    assert b.target_start == start and plan.prefix_cache_hits == start
+    assert len(sched.requests["a"].output_token_ids) == steps  # b ran in step `steps`
+    finished = w.run()
+    out = finished["a"].output_token_ids
+    sched.add_request(req("c", [*shared, 50, *out[:8], 99]))
+    plan, c = first_plan(sched, w, "c")
+    assert c.target_start == 20 and plan.prefix_cache_hits == 20
     w.run()
     assert all_blocks_back(kv)

@@ -60,7 +60,7 @@ class PrefixSharing:
         kv, bs, n = self.kv, self.kv.block_size, req.num_tokens
         keys = kv.block_keys(req.request_id, req.token_slice, n // bs)
         blocks, exact = kv.cached_run(keys, self._after(req))
-        if exact and len(blocks) < len(keys) and self._in_flight(keys[len(blocks)], len(blocks)):
+        if exact and len(blocks) < len(keys) and self._in_flight(keys[len(blocks)]):
             return None
         limit = n - 2 if req.output_token_ids else n - 1
         resume = max(0, min(len(blocks) * bs - (not exact), limit))
@@ -77,17 +77,11 @@ class PrefixSharing:
         req.num_computed = req.num_draft_computed = resume
         return resume, copy
 
-    def _in_flight(self, key: bytes, index: int) -> bool:
-        """Whether block ``index`` of this key is being computed by a running request that
-        publishes it once its target has computed it (and, for an EAGLE head, one step later,
-        when the head has caught up; a draft model catches up in the same step unless its
-        policy lets it lag, in which case nobody waits for it)."""
-        writer = self._computing.get(key)
-        if writer is None:
-            return False
-        return (
-            self.draft_input == "features" or writer.num_computed < (index + 1) * self.kv.block_size
-        )
+    def _in_flight(self, key: bytes) -> bool:
+        """Whether a running request is computing the block of this key: it publishes it once
+        its target and drafter hold it (an EAGLE head a step after the target; a drafter that
+        lags catches up on every full block while the prefix cache is on)."""
+        return key in self._computing
 
     def admitted(self, req: Request, copy: Copy | None) -> None:
         """A request started: count its hits (first admissions only), note its copy, and

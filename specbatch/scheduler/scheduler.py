@@ -186,14 +186,26 @@ class Scheduler:
         """What the drafter's KV cache catches up on this step (see ``draft_input``). A drafter
         catches up on a request in the steps where it drafts for it, and on prompt chunks with
         the target unless the policy last wanted no drafts at all: a request that drafts
-        nothing lets it lag, at no draft work."""
+        nothing lets it lag, at no draft work; with the prefix cache, only within a block, as
+        a block is published once the drafter holds it too."""
         if self.draft_input == "none" or not (
-            drafts or (self._prompt_chunk(req, n) and not self._draft_idle)
+            drafts
+            or (self._prompt_chunk(req, n) and not self._draft_idle)
+            or self._owes_blocks(req, end)
         ):
             return []
         if self.draft_input == "features":  # the positions the target processed before
             return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
         return req.token_slice(req.num_draft_computed, end)
+
+    def _owes_blocks(self, req: Request, end: int) -> bool:
+        """With the prefix cache: whether the drafter lacks a full block the target holds
+        (after this step, for a draft model; before it, for an EAGLE head, which reads a
+        position's features a step after the target computes them)."""
+        if self.prefix is None:
+            return False
+        reach = req.num_computed if self.draft_input == "features" else end
+        return req.num_draft_computed < reach // self.kv.block_size * self.kv.block_size
 
     def _schedule_running(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         """Slots for every running request's unprocessed tokens; returns how many were preempted."""
