@@ -77,8 +77,10 @@ class ShadowWorker:
             self._check_keys(table, self.kv.num_published(sr.request_id), tokens)
             base = sr.target_start + len(sr.target_token_ids)
             assert tokens[sr.target_start : base] == sr.target_token_ids
-            # the drafts: right up to a random point, then wrong
-            a = self.rng.randint(0, sr.num_draft) if sr.sample else 0
+            # the drafts: right up to a random point, then wrong (a tree: its walk accepts a
+            # path of that many nodes, whichever they are)
+            shape = sr.shape
+            a = self.rng.randint(0, shape.depth) if sr.sample else 0
             drafts = [1000 + base + j if j < a else -5 for j in range(sr.num_draft)]
             # the drafter catches up, then drafts
             if mode != "none" and (sr.draft_token_ids or sr.num_draft):
@@ -94,7 +96,10 @@ class ShadowWorker:
                         self._write(self.drafter, table, p, tuple(tokens[: p + 2]))
                     else:
                         self._write(self.drafter, table, p, tuple(tokens[: p + 1]))
-                for j in range(max(sr.num_draft - 1, 0)):
+                if not shape.is_chain:  # one slot per expanded node of depths 1 .. D - 1
+                    for j in range(shape.topk * (shape.depth - 1)):
+                        self._write(self.drafter, table, base + j, GARBAGE)
+                for j in range(max(sr.num_draft - 1, 0) if shape.is_chain else 0):
                     c = GARBAGE if mode == "features" else tuple(tokens[:base] + drafts[: j + 1])
                     self._write(self.drafter, table, base + j, c)
             # the target's pass over its tokens and the drafts
@@ -105,8 +110,10 @@ class ShadowWorker:
                 self._write(self.target, table, sr.target_start + i, c)
                 kept.append(c)
             for j in range(sr.num_draft):
-                c = tuple(tokens[:base] + drafts[: j + 1])
+                c = tuple(tokens[:base] + drafts[: j + 1]) if shape.is_chain else GARBAGE
                 self._write(self.target, table, base + j, c)
+            for j in range(a if not shape.is_chain else 0):  # the accepted path, compacted
+                self._write(self.target, table, base + j, tuple(tokens[:base] + drafts[: j + 1]))
             if sr.sample:
                 kept.extend(tuple(tokens[:base] + drafts[: j + 1]) for j in range(a))
                 out.results[sr.request_id] = RequestStepResult(

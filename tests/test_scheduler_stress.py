@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager, blocks_for
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
@@ -20,19 +21,37 @@ from specbatch.stop_checker import StopChecker
 from tests.kv_shadow import ShadowWorker
 
 
+class Sometimes(FixedDraft):
+    """Drafts ``shape`` for most decoding requests, none for the others, and in some steps
+    none at all: a drafter lags behind the requests that draft nothing, as under ``auto``."""
+
+    def __init__(self, shape: DraftShape, rng: random.Random) -> None:
+        super().__init__(shape)
+        self.rng = rng
+
+    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        if self.rng.random() < 0.3:
+            return [DraftShape()] * len(requests)
+        return [self.shape if self.rng.random() < 0.7 else DraftShape() for _ in requests]
+
+
 def random_mix(rng: random.Random, draft_input: str, seed: int, caching: bool = False):
     block_size = rng.choice([1, 2, 4, 16])
     max_len = rng.choice([32, 64, 128])
     k = rng.choice([0, 1, 3]) if draft_input != "none" else rng.choice([0, 2])
+    shape = rng.choice([DraftShape.chain(k), DraftShape(2, 2, 3), DraftShape(3, 2, 5)])
+    shape = shape if k else DraftShape()
+    ahead = shape.lookahead
     # the pool holds at least one request of max_model_len (the engine checks that at start)
-    num_blocks = blocks_for(max_len + k + 1, block_size) + rng.randint(0, 12)
-    budget = rng.choice([k + 1, 8, 32, 256])
+    num_blocks = blocks_for(max_len + ahead + 1, block_size) + rng.randint(0, 12)
+    budget = rng.choice([ahead + 1, 8, 32, 256])
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+    policy = Sometimes(shape, rng) if rng.random() < 0.5 else FixedDraft(shape)
     sched = Scheduler(
-        SchedulerLimits(rng.choice([1, 2, 4, 16]), max(budget, k + 1), max_len),
+        SchedulerLimits(rng.choice([1, 2, 4, 16]), max(budget, ahead + 1), max_len),
         kv,
         StopChecker(None),
-        policy=FixedDraft(k),
+        policy=policy,
         speculative=k > 0,
         draft_input=draft_input,
         batch_invariant=rng.random() < 0.2,
