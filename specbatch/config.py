@@ -25,7 +25,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # when a draft is given without a draft length
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with batch_invariant, when no draft length is given
 DEFAULT_MAX_DRAFT_LENGTH = 4  # the cap of num_speculative_tokens="auto"
 _SIZE_UNITS = {
     "": 1,
@@ -302,7 +302,14 @@ class EngineArgs:
             draft = self._model_config(drafter_path, "draft_model", None, device, self.dtype)
             check_same_vocabulary(target, draft)
         if k is None and (draft is not None or ngram):
-            k = DEFAULT_NUM_SPECULATIVE_TOKENS
+            # by default the controller decides (it drafts only where drafting pays); batch
+            # invariance needs draft lengths that do not depend on the batch
+            if self.batch_invariant:
+                k = DEFAULT_NUM_SPECULATIVE_TOKENS
+            else:
+                adaptive = True
+                k = spec.max_draft_length or self.max_draft_length
+                _check_positive_int("max_draft_length", k)
         k = 0 if k is None else k
         _check_positive_int("num_speculative_tokens", k, minimum=0)
         if k > 0 and draft is None and not ngram:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specbatch import LLM, EngineArgs, SamplingParams
-from specbatch.config import default_model_path
+from specbatch.config import DEFAULT_MAX_DRAFT_LENGTH, default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.model.eagle import detect_layout
 from specbatch.tokenizer import load_tokenizer
@@ -31,7 +31,10 @@ def test_pair_is_small_and_shares_a_tokenizer():
 def test_the_builtin_target_drafts_with_its_eagle3_head(spec):
     """Without a model, either EAGLE method name picks the head shipped with the target."""
     config = EngineArgs(speculative_config=spec).create_engine_config()
-    assert config.spec_method == "eagle" and config.num_speculative_tokens == 3
+    assert config.spec_method == "eagle" and config.adaptive_speculation  # auto by default
+    assert config.num_speculative_tokens == DEFAULT_MAX_DRAFT_LENGTH
+    fixed = EngineArgs(speculative_config=spec, batch_invariant=True).create_engine_config()
+    assert not fixed.adaptive_speculation and fixed.num_speculative_tokens == 3
     assert config.draft is not None and config.draft.path == default_model_path("eagle")
     assert detect_layout(config.draft.path) == "eagle3"
     assert_full_vocab_head_has_no_d2t(Path(config.draft.path))

@@ -106,7 +106,8 @@ def test_bad_speculative_config(tiny_llama_checkpoint, config, message) -> None:
 def test_speculative_config_and_shorthands(tiny_llama_checkpoint, make_checkpoint) -> None:
     target = str(tiny_llama_checkpoint)
     cfg = EngineArgs(target, speculative_config={"method": "ngram"}).create_engine_config()
-    assert (cfg.spec_method, cfg.num_speculative_tokens, cfg.draft) == ("ngram", 3, None)
+    assert (cfg.spec_method, cfg.num_speculative_tokens, cfg.draft) == ("ngram", 4, None)
+    assert cfg.adaptive_speculation  # no length given: the controller chooses, up to 4
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 4) and cfg.speculative
     draft = str(make_checkpoint("llama", num_layers=1, seed=9))
     as_json = f'{{"model": "{draft}", "num_speculative_tokens": "auto", "max_draft_length": 6}}'

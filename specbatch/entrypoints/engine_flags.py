@@ -82,7 +82,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "num_speculative_tokens",
         draft_length_arg,
         "draft tokens proposed per round, or auto: chosen per request and step for throughput, "
-        "up to --max-draft-length (default: 3 with a draft model, else 0)",
+        "up to --max-draft-length; 0 turns speculation off (default: auto with a drafter, 3 "
+        "with --batch-invariant, else 0)",
         metavar="K|auto",
     ),
     Flag(
