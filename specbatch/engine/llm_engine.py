@@ -11,6 +11,7 @@ from specbatch.config import EngineArgs, EngineConfig
 from specbatch.drafters import DRAFTERS
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError, InvalidInputError
+from specbatch.kv_cache.block_keys import salt_of
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.outputs import (
     CompletionOutput,
@@ -29,6 +30,21 @@ from specbatch.tokenizer import encode_text, eos_token_ids, load_tokenizer, max_
 from specbatch.worker.executor import Executor, UniprocExecutor
 
 PromptInput = str | dict[str, Any] | list[int]
+
+
+def cache_salt(config: EngineConfig) -> bytes:
+    """The root of the prefix cache's keys: what a block's K/V depend on besides its tokens."""
+    models = [(m.path, str(m.dtype)) for m in (config.target, config.draft) if m is not None]
+    spec = config.speculative_config
+    return salt_of(
+        models,
+        spec.method if spec.speculative else None,
+        config.batch_invariant,
+        config.tensor_parallel_size,
+        spec.draft_tensor_parallel_size,
+        config.attention_backend,
+        config.block_size,
+    )
 
 
 def create_executor(config: EngineConfig) -> Executor:
@@ -60,7 +76,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, cache_salt(config)
+        )
         self.stop_checker = StopChecker(self.tokenizer)
         spec = config.speculative_config
         policy: SpeculationPolicy = FixedDraft(spec.shape)
@@ -338,6 +356,7 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics.of(first),
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     # ---- introspection ---------------------------------------------------------------------
@@ -348,6 +367,11 @@ class LLMEngine:
         running = {group.get(r.request_id, r.request_id) for r in list(self.scheduler.running)}
         unfinished = {group.get(rid, rid) for rid in list(self.scheduler.requests)}
         return len(running), len(unfinished - running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (blocks in use stay with their requests)."""
+        self.kv_cache.reset_prefix_cache()
+        return True
 
     @property
     def num_free_kv_blocks(self) -> int:
