@@ -17,7 +17,7 @@ import pytest
 
 from specbatch import LLM, SamplingParams
 from specbatch.testing.eagle_heads import make_eagle_head
-from tests.helpers import exact_joint, make_perturbed_draft
+from tests.helpers import exact_joint, exactness_target, make_perturbed_draft
 from tests.test_exactness import VOCAB, N, assert_matches
 
 PROMPT = [1, 2, 0, 1]  # two full blocks of 2
@@ -25,17 +25,7 @@ PROMPT = [1, 2, 0, 1]  # two full blocks of 2
 
 @pytest.fixture(scope="module")
 def models(make_checkpoint, tmp_path_factory):
-    target = make_checkpoint(
-        "llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        seed=7,
-        max_position_embeddings=64,
-        eos_token_id=None,
-    )
+    target = exactness_target(make_checkpoint, VOCAB)
     draft = make_perturbed_draft(target, tmp_path_factory.mktemp("draft"), noise=0.25, seed=1)
     head = make_eagle_head(tmp_path_factory.mktemp("head"), target, "eagle3", seed=5)
     return target, {"draft_model": draft, "eagle3": head}
