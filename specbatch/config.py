@@ -113,6 +113,9 @@ class EngineArgs:
         "(CUDA, block size a multiple of 256) or xformers (CUDA, multiple of 64); auto: on a "
         "CPU the kernel where it runs, on CUDA flash-attn, else xformers, as installed and as "
         "the block size allows; else torch", metavar="NAME")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen "
+        "before (the target's and the drafter's); --no-enable-prefix-caching computes every "
+        "prompt whole")  # fmt: skip
     batch_invariant: bool = option(False, "every op gives a request's rows the same bits "
         "whatever else is in the batch, and draft lengths never depend on the batch: a seeded "
         "request returns the same tokens alone or in any batch, with or without speculation "
@@ -285,6 +288,7 @@ _AS_GIVEN = (
     "attention_backend",
     "batch_invariant",
     "logprobs_mode",
+    "enable_prefix_caching",
 )
 
 
@@ -312,6 +316,7 @@ class EngineConfig:
     attention_backend: str
     batch_invariant: bool
     logprobs_mode: str
+    enable_prefix_caching: bool
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:

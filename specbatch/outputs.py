@@ -124,3 +124,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics  # of the first completion
     prompt_logprobs: list[PositionLogprobDict | None] | None = None  # first entry None
+    num_cached_tokens: int = 0  # prompt tokens the first completion found in the prefix cache

@@ -142,6 +142,7 @@ class Request:
     num_computed: int = 0
     num_draft_computed: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     spec: SpecStats = field(default_factory=SpecStats)
     draft_lengths: list[int] = field(default_factory=list)  # gamma granted, round by round
     first_scheduled_time: float | None = None

@@ -39,6 +39,21 @@ def hf_greedy(path: Path | str, prompts: list[list[int]], max_new_tokens: int) -
     return outs
 
 
+def exactness_target(make_checkpoint, vocab: int) -> Path:
+    """The tiny Llama the exactness tests enumerate outputs of (every token content: no EOS)."""
+    return make_checkpoint(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seed=7,
+        max_position_embeddings=64,
+        eos_token_id=None,
+    )
+
+
 def make_perturbed_draft(target: Path | str, out_dir: Path, noise: float, seed: int = 0) -> Path:
     """A draft that resembles the target: its weights plus Gaussian noise (relative scale
     ``noise``), so acceptance is high but not 1 and every path of the sampler is exercised."""

@@ -33,7 +33,7 @@ from specbatch.stats import chi_square_gof, power
 from specbatch.worker import rejection_sampler
 from specbatch.worker.penalties import Penalties
 from specbatch.worker.sampler import sample
-from tests.helpers import exact_joint, make_perturbed_draft
+from tests.helpers import exact_joint, exactness_target, make_perturbed_draft
 
 ALPHA = 1e-3
 N = 14_000
@@ -44,17 +44,7 @@ VOCAB = 3
 
 @pytest.fixture(scope="module")
 def pair(make_checkpoint, tmp_path_factory):
-    target = make_checkpoint(
-        "llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        seed=7,
-        max_position_embeddings=64,
-        eos_token_id=None,  # in a 3-token vocabulary every token is content
-    )
+    target = exactness_target(make_checkpoint, VOCAB)
     draft = make_perturbed_draft(target, tmp_path_factory.mktemp("draft"), noise=0.25, seed=1)
     return target, draft
 

@@ -8,7 +8,9 @@ MODULES = [
     "specbatch.scheduler.scheduler",
     "specbatch.scheduler.draft_controller",
     "specbatch.scheduler.row_costs",
+    "specbatch.scheduler.prefix_sharing",
     "specbatch.kv_cache.kv_cache_manager",
+    "specbatch.kv_cache.block_keys",
 ]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.testing.eagle_heads import make_eagle_head
-from tests.helpers import exact_joint, hf_greedy, make_perturbed_draft
+from tests.helpers import exact_joint, exactness_target, hf_greedy, make_perturbed_draft
 from tests.test_exactness import PROMPT, VOCAB, assert_matches, sample_sequences
 
 N = 14_000
@@ -24,17 +24,7 @@ BACKENDS = ["auto", "torch"]  # specbatch's CPU kernel where it builds, and the 
 
 @pytest.fixture(scope="module")
 def pair(make_checkpoint, tmp_path_factory):
-    target = make_checkpoint(
-        "llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        seed=7,
-        max_position_embeddings=64,
-        eos_token_id=None,
-    )
+    target = exactness_target(make_checkpoint, VOCAB)
     root = tmp_path_factory.mktemp("tree_pair")
     draft = make_perturbed_draft(target, root / "draft", noise=0.25, seed=1)
     head = make_eagle_head(root / "head", target, "eagle3", seed=2, scale=0.5)

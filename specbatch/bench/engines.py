@@ -31,7 +31,7 @@ def build_engine(cfg: BenchConfig, draft: Draft, max_seqs: int) -> LLMEngine | D
     """The engine of one cell: plain for ``DraftShape()``, else the grid's drafter asked for
     ``draft`` through ``speculative_config``. An engine that rejects a tree (or auto's trees)
     says which cell asked for it."""
-    model_len = cfg.input_len + cfg.max_output_len + cfg.lookahead + 2
+    model_len = cfg.shared_prefix_len + cfg.input_len + cfg.max_output_len + cfg.lookahead + 2
     kwargs: dict[str, Any] = {"max_model_len": model_len, **cfg.engine_kwargs}
     kwargs["max_num_seqs"] = max(max_seqs, int(kwargs.get("max_num_seqs") or 0))
     draft_tp = kwargs.pop("draft_tensor_parallel_size", None)

@@ -57,7 +57,13 @@ from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
 from specbatch.bench.cells import CellResult, compare_with_plain, crossover, pool_runs
 from specbatch.bench.drafts import Draft, auto_shape, order, tree_problem
 from specbatch.bench.engines import build_engine, share_weights
-from specbatch.bench.workload import WORKLOADS, build_workload, spread_output_lengths
+from specbatch.bench.workload import (
+    WORKLOADS,
+    build_workload,
+    shared_prefix,
+    spread_output_lengths,
+    with_shared_prefix,
+)
 from specbatch.bench.workload import mixed as mixed_workload
 from specbatch.draft_shape import DraftShape
 from specbatch.engine.data_parallel import DataParallelEngine
@@ -109,6 +115,9 @@ class BenchConfig:
     # fmt: off
     tree_children: str = same_as(SpeculativeConfig, "tree_children", flag=True)
     input_len: int = option(DEFAULT_INPUT_LEN, "prompt tokens per request", ge=1, metavar="N")
+    shared_prefix_len: int = option(0, "every prompt starts with the same N tokens (a window "
+        "of the held-out text), then its own --input-len tokens: the workload the prefix cache "
+        "serves", ge=0, metavar="N")
     output_len: int = option(DEFAULT_OUTPUT_LEN, "output tokens per request, on average", ge=2,
         metavar="N")
     output_len_spread: float = option(DEFAULT_OUTPUT_LEN_SPREAD, "each prompt's output length "
@@ -262,6 +271,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         )
         if cfg.mixed is not None:
             workload = mixed_workload(workload, engines[drafts[0]].tokenizer, cfg.mixed)
+        prefix = shared_prefix(engines[drafts[0]], cfg.shared_prefix_len, cfg.seed)
+        workload = with_shared_prefix(workload, prefix)
         workload = spread_output_lengths(workload, cfg.output_len_spread, cfg.seed)
         source = workload.source
         on_finished = bar.update if bar is not None else None

@@ -122,7 +122,7 @@ async def _one_request(
     return res
 
 
-async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
+async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, float]:
     try:
         resp = await client.get("/metrics", timeout=30)
         return parse_metrics(resp.text) if resp.status_code == 200 else {}
@@ -143,7 +143,7 @@ async def run_rate(
     """Send every prompt once at ``rate`` requests/s (Poisson) and summarise."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    before = await _scrape(client)
+    before = await scrape_metrics(client)
 
     async def fire(prompt: str | list[int], delay: float) -> RequestResult:
         await asyncio.sleep(delay)
@@ -166,7 +166,7 @@ async def run_rate(
     start = time.perf_counter()
     results = await asyncio.gather(*(fire(p, d) for p, d in zip(prompts, delays)))
     duration = time.perf_counter() - start
-    after = await _scrape(client)
+    after = await scrape_metrics(client)
     return summarise(rate, results, duration, before, after)
 
 
@@ -187,6 +187,11 @@ def summarise(
         "specbatch:spec_decode_num_accepted_tokens_total", 0.0
     )
     errors = [r.error for r in results if not r.ok]
+    queries, hits = (
+        after.get(f"specbatch:prefix_cache_{n}_total", 0.0)
+        - before.get(f"specbatch:prefix_cache_{n}_total", 0.0)
+        for n in ("queries", "hits")
+    )
     return {
         "request_rate": "inf" if math.isinf(rate) else rate,
         "num_requests": len(results),
@@ -204,6 +209,7 @@ def summarise(
         "draft_tokens_proposed": int(proposed),
         "draft_tokens_accepted": int(accepted),
         "kv_blocks_used_after": after.get("specbatch:kv_blocks_used"),
+        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
     }
 
 
@@ -220,8 +226,12 @@ async def run_benchmark(
     model: str | None = None,
     api_key: str | None = None,
     timeout: float = 300.0,
+    multi_turn: int = 1,
 ) -> dict[str, Any]:
-    """Benchmark every rate in turn (the same prompts each time); returns the JSON report."""
+    """Benchmark every rate in turn (the same prompts each time); returns the JSON report.
+    ``multi_turn`` > 1: each prompt opens a chat of that many turns (serve_chat.py)."""
+    from specbatch.bench.serve_chat import run_chat_rate
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), limits=limits) as client:
@@ -237,11 +247,15 @@ async def run_benchmark(
         }
         runs = []
         for i, rate in enumerate(rates):
-            runs.append(
-                await run_rate(
+            if multi_turn > 1:
+                texts = [str(p) for p in prompts]
+                run = await run_chat_rate(client, rate, texts, multi_turn, params, headers,
+                                          max_concurrency, seed + i, timeout)  # fmt: skip
+            else:
+                run = await run_rate(
                     client, rate, prompts, params, headers, max_concurrency, seed + i, timeout
                 )
-            )
+            runs.append(run)
     return {
         "base_url": base_url,
         "model": model,
@@ -250,6 +264,7 @@ async def run_benchmark(
         "max_tokens": max_tokens,
         "temperature": temperature,
         "seed": seed,
+        "multi_turn": multi_turn,
         "runs": runs,
     }
 
@@ -279,6 +294,13 @@ def format_table(report: dict[str, Any]) -> str:
             f"{four(r['ttft_ms']):>27} {four(r['tpot_ms']):>27} {four(r['itl_ms']):>27} "
             f"{_f(r['acceptance_rate'], 3):>7}"
         )
+    for r in report["runs"]:
+        if r.get("prefix_cache_hit_rate") is not None:
+            lines.append(f"rate {r['request_rate']}: prefix cache hit rate "
+                         f"{r['prefix_cache_hit_rate']:.1%}")  # fmt: skip
+        for t in r.get("turns", []):
+            ttft = "/".join(_f(t["ttft_ms"][k]) for k in ("mean", "p50", "p90", "p99"))
+            lines.append(f"  turn {t['turn']}: {t['completed']} done, TTFT {ttft} ms")
     return "\n".join(lines)
 
 

@@ -48,6 +48,28 @@ class Workload:
         return base
 
 
+def with_shared_prefix(workload: Workload, prefix: list[int]) -> Workload:
+    """Every prompt preceded by the same ``prefix`` (a system prompt, few-shot examples): what
+    the prefix cache is for."""
+    if not prefix:
+        return workload
+    prompts = [prefix + p for p in workload.prompts]
+    source = f"{workload.source}, each after one shared prefix of {len(prefix)} tokens"
+    return replace(
+        workload, prompts=prompts, input_len=workload.input_len + len(prefix), source=source
+    )
+
+
+def shared_prefix(engine: LLMEngine, length: int, seed: int = 0) -> list[int]:
+    """``length`` tokens of the bench's default prompts (a window of the held-out text, or
+    random ids), drawn apart from the prompts themselves."""
+    if length < 1:
+        return []
+    return build_workload(
+        engine, input_len=length, output_len=2, num_prompts=1, seed=seed + 1
+    ).prompts[0]
+
+
 def spread_output_lengths(workload: Workload, spread: float, seed: int = 0) -> Workload:
     """Each prompt's output length drawn uniformly from ``output_len * [1 - spread, 1 +
     spread]`` (seeded: the same for every draft length of a bench). With every request of one

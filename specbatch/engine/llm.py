@@ -127,6 +127,10 @@ class LLM:
             if bar is not None:
                 bar.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry, as vLLM's ``LLM.reset_prefix_cache``."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

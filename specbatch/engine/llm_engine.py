@@ -15,6 +15,7 @@ from specbatch.drafters import DRAFTERS
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.grammar.compiler import GrammarCompilerPool
+from specbatch.kv_cache.block_keys import salt_of
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.outputs import (
     CompletionOutput,
@@ -35,6 +36,21 @@ from specbatch.worker.executor import Executor, UniprocExecutor
 PromptInput = str | dict[str, Any] | list[int]
 GRAMMAR_WAIT_S = 0.05  # the longest an idle step waits for a grammar to compile
 logger = logging.getLogger(__name__)
+
+
+def cache_salt(config: EngineConfig) -> bytes:
+    """The root of the prefix cache's keys: what a block's K/V depend on besides its tokens."""
+    models = [(m.path, str(m.dtype)) for m in (config.target, config.draft) if m is not None]
+    spec = config.speculative_config
+    return salt_of(
+        models,
+        spec.method if spec.speculative else None,
+        config.batch_invariant,
+        config.tensor_parallel_size,
+        spec.draft_tensor_parallel_size,
+        config.attention_backend,
+        config.block_size,
+    )
 
 
 def create_executor(config: EngineConfig) -> Executor:
@@ -66,7 +82,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, cache_salt(config)
+        )
         self.grammars = GrammarCompilerPool(
             self.tokenizer, config.target.vocab_size, self.eos_token_ids
         )
@@ -375,6 +393,7 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics.of(first),
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     # ---- introspection ---------------------------------------------------------------------
@@ -385,6 +404,11 @@ class LLMEngine:
         running = {group.get(r.request_id, r.request_id) for r in list(self.scheduler.running)}
         unfinished = {group.get(rid, rid) for rid in list(self.scheduler.requests)}
         return len(running), len(unfinished - running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (blocks in use stay with their requests)."""
+        self.kv_cache.reset_prefix_cache()
+        return True
 
     @property
     def num_free_kv_blocks(self) -> int:

@@ -22,6 +22,8 @@ class EngineMetrics:
     draft_length_counts: Counter[int] = field(default_factory=Counter)  # per decoding request
     decoding_steps: int = 0  # steps in which some request could draft
     drafting_steps: int = 0  # ... and some did
+    prefix_cache_queries: int = 0  # tokens of requests admitted for the first time
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
     def on_step(self, plan: SchedulerOutput, result: StepResult, step_time: float) -> None:
         self.num_steps += 1
@@ -29,6 +31,8 @@ class EngineMetrics:
         self.step_time_total += step_time
         self.draft_time_total += result.timings.get("draft", 0.0)
         self.target_time_total += result.timings.get("target", 0.0)
+        self.prefix_cache_queries += plan.prefix_cache_queries
+        self.prefix_cache_hits += plan.prefix_cache_hits
         decoding = drafting = False
         for sr in plan.requests:
             self.num_prompt_tokens += len(sr.target_token_ids) - (1 if sr.sample else 0)
@@ -60,4 +64,13 @@ class EngineMetrics:
             "drafting_share": (
                 self.drafting_steps / self.decoding_steps if self.decoding_steps else None
             ),
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else None

@@ -149,6 +149,8 @@ class _EngineCollector(Collector):
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted),
             ("spec_decode_num_rejections", "Rounds that stopped at a rejection.", spec.rejections),
             ("spec_decode_num_emitted_tokens", "Tokens emitted by drafting rounds.", spec.emitted),
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.", m.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", m.prefix_cache_hits),
         )
         for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in rows:

@@ -5,7 +5,10 @@ For each rate, ``--num-prompts`` streaming completions arrive as a Poisson proce
 request and output-token throughput, TTFT, time per output token (TPOT, per request, after the
 first token) and inter-token latency (ITL: the gaps between streamed chunks, so a round that
 accepts several tokens counts as one gap), each as mean/p50/p90/p99 in milliseconds, and the
-draft acceptance rate over the run, read from the server's ``/metrics``.
+draft acceptance rate and prefix-cache hit rate over the run, read from the server's
+``/metrics``. With ``--multi-turn T``, each prompt opens a chat of T turns instead (the rate
+counts conversations; each turn resends the conversation so far), and TTFT is also reported
+turn by turn.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class LoadOptions:
     prompts: str | None = option(None, ".txt or .jsonl prompts, cycled (default: synthetic "
         "prompts of --input-words words)", type=Path, metavar="FILE")
     input_words: int = option(16, "synthetic prompt length", ge=1)
+    multi_turn: int = option(1, "chat conversations of T turns through /v1/chat/completions, "
+        "each prompt the first user turn and a short follow-up after each reply (1: plain "
+        "completions)", ge=1, metavar="T")
     seed: int = option(0, "seeds the prompts and arrival times", ge=0)
     model: str | None = option(None, "model name (default: the server's first)", type=str,
         metavar="NAME")
@@ -101,6 +107,10 @@ def load_prompts(opts: LoadOptions) -> list[str | list[int]]:
     lines = read_prompts(opts.prompts).prompts
     if not lines:
         raise InvalidInputError(f"prompts: '{opts.prompts}' holds no prompts", "prompts")
+    if opts.multi_turn > 1 and any(not isinstance(p.prompt, str) for p in lines):
+        raise InvalidInputError(
+            "prompts: --multi-turn needs text prompts, not token ids", "prompts"
+        )
     return [lines[i % len(lines)].prompt for i in range(opts.num_prompts)]
 
 
@@ -119,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         model=opts.model,
         api_key=opts.api_key,
         timeout=opts.timeout,
+        multi_turn=opts.multi_turn,
     )
     try:
         report = asyncio.run(load)

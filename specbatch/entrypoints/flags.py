@@ -83,8 +83,13 @@ def add_options(
         if not opt.flag or name in skip:
             continue
         default, text = defaults.get(name, default), helps.get(name, opt.help)
-        if opt.type is bool:  # a switch: present or not
-            group.add_argument(flag(name), dest=name, action="store_true", help=text)
+        if opt.type is bool:  # a switch: present or not; --no-NAME when it is on by default
+            if default:
+                on = argparse.BooleanOptionalAction
+                group.add_argument(flag(name), dest=name, default=True, action=on,
+                                   help=f"{text} (default: on)")  # fmt: skip
+            else:
+                group.add_argument(flag(name), dest=name, action="store_true", help=text)
             continue
         shown = [f"default: {default}"] if default is not None else []
         shown += [opt.limit] if opt.limit and not opt.choices else []

@@ -54,6 +54,11 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the worker forgets these
     num_preempted: int = 0
+    # (source, copy) blocks: copy every model's K/V of the source block into the copy before
+    # the step runs (a request about to rewrite slots of a cached block it took)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    prefix_cache_queries: int = 0  # tokens of the requests admitted for the first time
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
     @property
     def is_empty(self) -> bool:

@@ -4,8 +4,10 @@ Each step: (1) every running request gets slots for the tokens its target has no
 preempting the most recently admitted requests (recompute) if blocks run out; (2) decoding
 requests get draft lengths from the policy, shrunk to what the token budget, the length limits and
 the free blocks allow (drafts never cause a preemption); (3) waiting requests are admitted in
-arrival order while blocks, sequence slots and token budget last. After the step, ``update`` moves
-each model's progress counter back to what was accepted and truncates the block table.
+arrival order while blocks, sequence slots and token budget last, each starting on the longest run
+of cached blocks of its tokens when prefix caching is on (cached blocks nobody holds count as
+free). After the step, ``update`` moves each model's progress counter back to what was accepted,
+publishes the full blocks both caches now hold, and truncates the block table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from specbatch.scheduler.output import (
     SchedulerOutput,
     StepResult,
 )
+from specbatch.scheduler.prefix_sharing import PrefixSharing
 from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
 
@@ -77,18 +80,20 @@ class Scheduler:
         self._forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork it
         self._fork_of: dict[str, str] = {}  # a waiting fork -> the request it shares blocks of
         self._sampled_once: set[str] = set()  # fork sources that sampled once, not yet ready
+        self.prefix = PrefixSharing(kv_cache, self.draft_input) if kv_cache.caching else None
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
         """Queue a request. With ``fork_of`` (a request of the same prompt, e.g. another of
         ``n`` completions) it waits until that one's target and drafter have processed the
-        prompt's full blocks, then shares those blocks and computes only the rest."""
+        prompt's full blocks, then shares those blocks and computes only the rest. With the
+        prefix cache on, every request does so (``PrefixSharing``): ``fork_of`` adds nothing."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         source = self.requests.get(fork_of) if fork_of is not None else None
-        if source is not None and self._shareable(source) > 0:
+        if source is not None and self.prefix is None and self._shareable(source) > 0:
             self._forks.setdefault(source.request_id, []).append(request)
         else:
             self.waiting.append(request)
@@ -144,6 +149,10 @@ class Scheduler:
             self._admit(chosen, budget)
 
         out = SchedulerOutput(num_preempted=preempted, finished_request_ids=self._forget)
+        if self.prefix is not None:
+            out.block_copies, out.prefix_cache_queries, out.prefix_cache_hits = (
+                self.prefix.take_step()
+            )
         self._forget = []
         now = time.monotonic()
         for req, n in chosen:
@@ -190,14 +199,26 @@ class Scheduler:
         """What the drafter's KV cache catches up on this step (see ``draft_input``). A drafter
         catches up on a request in the steps where it drafts for it, and on prompt chunks with
         the target unless the policy last wanted no drafts at all: a request that drafts
-        nothing lets it lag, at no draft work."""
+        nothing lets it lag, at no draft work; with the prefix cache, only within a block, as
+        a block is published once the drafter holds it too."""
         if self.draft_input == "none" or not (
-            drafts or (self._prompt_chunk(req, n) and not self._draft_idle)
+            drafts
+            or (self._prompt_chunk(req, n) and not self._draft_idle)
+            or self._owes_blocks(req, end)
         ):
             return []
         if self.draft_input == "features":  # the positions the target processed before
             return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
         return req.token_slice(req.num_draft_computed, end)
+
+    def _owes_blocks(self, req: Request, end: int) -> bool:
+        """With the prefix cache: whether the drafter lacks a full block the target holds
+        (after this step, for a draft model; before it, for an EAGLE head, which reads a
+        position's features a step after the target computes them)."""
+        if self.prefix is None:
+            return False
+        reach = req.num_computed if self.draft_input == "features" else end
+        return req.num_draft_computed < reach // self.kv.block_size * self.kv.block_size
 
     def _schedule_running(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         """Slots for every running request's unprocessed tokens; returns how many were preempted."""
@@ -281,36 +302,41 @@ class Scheduler:
         return rows + min(budget, waiting)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> None:
-        """Admit waiting requests in order while blocks, sequence slots and budget last; one
-        whose grammar is still compiling keeps its place and is passed over. A waiting request
-        holds no block: a fork takes its share of its source's blocks here."""
-        passed: list[Request] = []
-        try:
-            self._admit_ready(chosen, budget, passed)
-        finally:
-            self.waiting.extendleft(reversed(passed))
-
-    def _admit_ready(
-        self, chosen: list[tuple[Request, int]], budget: int, passed: list[Request]
-    ) -> None:
+        """Admit waiting requests in order while blocks, sequence slots and budget last. A
+        waiting request holds no block: it takes its cached blocks here (a fork without the
+        prefix cache, its share of its source's blocks). A request whose grammar is still
+        compiling, and with the prefix cache one whose next block another request is computing,
+        lets the requests after it go first."""
+        later: list[Request] = []  # compiling its grammar, or waiting for a block
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             if req.grammar_pending:
-                passed.append(self.waiting.popleft())
+                later.append(req)
                 continue
-            shared = self._share_source_blocks(req)
+            copy = None
+            if self.prefix is not None:
+                start = self.prefix.start(req)
+                if start is None:
+                    later.append(req)
+                    continue
+                shared, copy = start
+            else:
+                shared = self._share_source_blocks(req)
             n = min(self._to_compute(req), budget)
             if not self.kv.allocate(req.request_id, req.num_computed + n):
                 if shared:  # give the shared blocks back until it can run
                     self.kv.free(req.request_id)
                     req.num_computed = req.num_draft_computed = 0
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
+            if self.prefix is not None:
+                self.prefix.admitted(req, copy)
             self._fork_of.pop(req.request_id, None)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(later))
 
     def _share_source_blocks(self, req: Request) -> int:
         """For a fork: share the full prompt blocks its source's caches hold now (none if the
@@ -329,6 +355,8 @@ class Scheduler:
         """Recompute-style preemption: drop the request's cache and requeue it at the front."""
         if req.request_id in self._forks:
             self._fork_waiting(req)
+        if self.prefix is not None:
+            self.prefix.release(req)
         self.kv.free(req.request_id)
         req.num_computed = 0
         req.num_draft_computed = 0
@@ -353,6 +381,8 @@ class Scheduler:
             if not sr.sample:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)
+                if self.prefix is not None:
+                    self.prefix.publish(req, self._filled(req))
                 continue
             r = result.results[sr.request_id]
             if self.draft_input == "tokens" and sr.shape.is_chain:
@@ -381,6 +411,8 @@ class Scheduler:
                     break
             if r.grammar_done and req.finish_reason is None:
                 req.finish_reason = FinishReason.STOP  # the structured output is complete
+            if self.prefix is not None:  # the accepted tokens are the request's now
+                self.prefix.publish(req, self._filled(req))
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)
@@ -426,7 +458,10 @@ class Scheduler:
         if req.request_id in self._forks:
             self._fork_waiting(req)
         self._fork_of.pop(req.request_id, None)
+        if self.prefix is not None:
+            self.prefix.release(req)
         self.kv.free(req.request_id)
+        self.kv.forget(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_worker:
             self._known_to_worker.discard(req.request_id)

@@ -21,7 +21,7 @@ from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import ScheduledRequest
 from specbatch.worker.draft_loop import Roots, block_tables, catch_up, drafting, grow
-from specbatch.worker.model_runner import ForwardInputs, ModelRunner
+from specbatch.worker.model_runner import ForwardInputs, ModelRunner, move_slots
 from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
 
@@ -44,6 +44,7 @@ class EagleProposer(Drafter):
             block_size=config.block_size,
             head_dim=head_dim_of(head_config),
         )
+        self.backend = backend
         self.head = load_eagle_head(
             config.draft, TargetParts.of(target.model), backend, config.draft.dtype, device
         )
@@ -64,6 +65,9 @@ class EagleProposer(Drafter):
         self.kv_caches = self.head.allocate_kv_caches(
             num_blocks, self.config.block_size, self.device
         )
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        move_slots(self.backend, self.kv_caches, src, dst, self.device)
 
     def finish_request(self, request_id: str) -> None:
         self.pending.pop(request_id, None)

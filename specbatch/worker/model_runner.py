@@ -8,7 +8,7 @@ import torch
 
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.model.checkpoint import ModelConfig
-from specbatch.model.layers.attention import AttentionMetadata
+from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.loader import load_model
 
@@ -99,19 +99,7 @@ class ModelRunner:
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of slots ``src`` into slots ``dst`` in every layer."""
-        if not self.kv_caches:
-            return
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        k0, v0 = self.kv_caches[0]
-        (k_src, v_src), (k_dst, v_dst) = (
-            self.backend.slot_rows(k0, v0, s),
-            (self.backend.slot_rows(k0, v0, d)),
-        )
-        for k_cache, v_cache in self.kv_caches:
-            for cache, a, b in ((k_cache, k_src, k_dst), (v_cache, v_src, v_dst)):
-                rows = self.backend.cache_rows(cache)
-                rows.index_copy_(0, b, rows.index_select(0, a))
+        move_slots(self.backend, self.kv_caches, src, dst, self.device)
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -137,3 +125,24 @@ class ModelRunner:
         if logits_rows is None:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), features
         return self.model.compute_logits(hidden.index_select(0, logits_rows)), features
+
+
+def move_slots(
+    backend: AttentionBackend,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    src: list[int],
+    dst: list[int],
+    device: torch.device,
+) -> None:
+    """Copy the K/V of slots ``src`` into slots ``dst`` in every layer's cache (all sources
+    are read before any destination is written)."""
+    if not kv_caches or not src:
+        return
+    s = torch.tensor(src, dtype=torch.int64, device=device)
+    d = torch.tensor(dst, dtype=torch.int64, device=device)
+    k0, v0 = kv_caches[0]
+    (k_src, v_src), (k_dst, v_dst) = backend.slot_rows(k0, v0, s), backend.slot_rows(k0, v0, d)
+    for k_cache, v_cache in kv_caches:
+        for cache, a, b in ((k_cache, k_src, k_dst), (v_cache, v_src, v_dst)):
+            rows = backend.cache_rows(cache)
+            rows.index_copy_(0, b, rows.index_select(0, a))

@@ -114,6 +114,9 @@ class Drafter:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of slots ``src`` into slots ``dst`` in the drafter's cache, if any."""
+
     def add_request(self, new: NewRequestData) -> None:
         pass
 

@@ -117,6 +117,8 @@ class Worker:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         self._track(plan)
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
         reqs = plan.requests
         if not reqs:
             return StepResult()
@@ -226,6 +228,16 @@ class Worker:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[ref.key] = compiled
         return xgrammar().GrammarMatcher(compiled)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy on write: every model's K/V of each source block into its copy (all sources
+        are read before any copy is written)."""
+        bs = self.config.block_size
+        src = [s * bs + i for s, _ in pairs for i in range(bs)]
+        dst = [d * bs + i for _, d in pairs for i in range(bs)]
+        self.target.move_kv(src, dst)
+        if self.drafter is not None:
+            self.drafter.copy_slots(src, dst)
 
     def _draw_uniforms(
         self, sampling: list[ScheduledRequest], shapes: list[DraftShape]
