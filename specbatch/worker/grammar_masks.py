@@ -88,12 +88,9 @@ class StepGrammars:
             return None
         return StepGrammars(grammars, vocab_size)
 
-    def has(self, b: int) -> bool:
-        return self.grammars[b] is not None
-
     def ends(self, b: int, path: Sequence[int]) -> bool:
-        """Whether nothing may follow ``path`` for request b: the grammar ended, or the path
-        left it (True for a request without a grammar never)."""
+        """Whether nothing may follow ``path`` for request b: its grammar ended, or the path
+        left it (never for a request without a grammar)."""
         g = self.grammars[b]
         return g is not None and (not g.goto(path) or g.ended)
 
