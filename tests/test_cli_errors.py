@@ -211,6 +211,31 @@ def test_sigterm_stops_generate_like_ctrl_c(models: dict[str, Path], tmp_path: P
     assert 2 <= len(records) < 400 and all(len(r["token_ids"]) == 48 for r in records)
 
 
+def test_sigterm_is_told_apart_from_ctrl_c_when_ray_replaces_the_exception() -> None:
+    """Ray turns an exception raised by a signal handler during ``ray.get`` into a fresh
+    ``KeyboardInterrupt``; the exit status must still say SIGTERM."""
+    import os
+
+    from specbatch.entrypoints.signals import exit_status, sigterm_as_interrupt, what_happened
+
+    def as_ray_raises(signum: int) -> KeyboardInterrupt:
+        with sigterm_as_interrupt():
+            try:
+                try:
+                    os.kill(os.getpid(), signum)
+                    time.sleep(5)
+                except KeyboardInterrupt:
+                    raise KeyboardInterrupt() from None
+            except KeyboardInterrupt as e:
+                return e
+        raise AssertionError("no signal arrived")
+
+    terminated = as_ray_raises(signal.SIGTERM)
+    assert (exit_status(terminated), what_happened(terminated)) == (143, "terminated (SIGTERM)")
+    interrupted = as_ray_raises(signal.SIGINT)
+    assert (exit_status(interrupted), what_happened(interrupted)) == (130, "interrupted")
+
+
 def test_a_too_long_prompt_gets_our_error_alone(models: dict[str, Path], tmp_path: Path) -> None:
     model = copy_of(models["target"], tmp_path / "m")  # a tokenizer that knows its limit
     config = json.loads((model / "tokenizer_config.json").read_text())
