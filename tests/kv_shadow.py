@@ -7,7 +7,9 @@ emits position-derived tokens (``1000 + position``), proposes drafts that are ri
 random point and wrong after it, and checks on every step what a real step relies on:
 - every slot a model reads holds the K/V of the request's own tokens (a cached block holding a
   draft, a stale slot or another prompt's K/V fails here);
-- no step writes into a block that is published or has another owner;
+- no step writes into a block that is published or has another owner, except a drafter
+  catching up on a published block only the target's cache held when it took it (what it
+  writes there is what any other writer does);
 - an EAGLE head catches up only on positions whose target features earlier passes kept;
 - every published block of a table is published under the key of that request's tokens.
 """
@@ -37,9 +39,16 @@ class ShadowWorker:
     def _slot(self, table: list[int], p: int) -> int:
         return table[p // self.bs] * self.bs + p % self.bs
 
-    def _write(self, cache: dict[int, Content], table: list[int], p: int, c: Content) -> None:
+    def _write(
+        self, cache: dict[int, Content], table: list[int], p: int, c: Content, fill: bool = False
+    ) -> None:
         block = table[p // self.bs]
         pool = self.kv.pool
+        if fill and pool.key_of(block) is not None:  # a drafter catching up on its own tokens
+            if pool.is_drafted(block):  # another request's drafter filled it first
+                assert cache.get(self._slot(table, p)) == c, f"position {p} changed in {block}"
+            cache[self._slot(table, p)] = c
+            return
         assert pool.key_of(block) is None, f"a step writes position {p} into published {block}"
         assert pool.ref_count(block) == 1, f"a step writes position {p} into shared {block}"
         cache[self._slot(table, p)] = c
@@ -93,9 +102,9 @@ class ShadowWorker:
                         start, kept = self.features[sr.request_id]
                         assert start <= p < start + len(kept), f"no feature kept for {p}"
                         assert t == tokens[p + 1] and kept[p - start] == tuple(tokens[: p + 1])
-                        self._write(self.drafter, table, p, tuple(tokens[: p + 2]))
+                        self._write(self.drafter, table, p, tuple(tokens[: p + 2]), True)
                     else:
-                        self._write(self.drafter, table, p, tuple(tokens[: p + 1]))
+                        self._write(self.drafter, table, p, tuple(tokens[: p + 1]), True)
                 if not shape.is_chain:  # one slot per expanded node of depths 1 .. D - 1
                     for j in range(shape.topk * (shape.depth - 1)):
                         self._write(self.drafter, table, base + j, GARBAGE)

@@ -70,12 +70,15 @@ def test_row_buckets_and_unmeasured_rows():
     assert costs.seconds(4) is None
     costs.observe(1, 0.001)
     costs.observe(16, 0.004)
-    assert costs.seconds(4) == costs.seconds(1)  # optimistic: as its smaller neighbour
-    assert costs.seconds(1) == pytest.approx(0.001, rel=0.2)
-    assert costs.seconds(64) == pytest.approx(costs.seconds(16), rel=1e-6)  # optimistic: flat
+    assert costs.seconds(1) == pytest.approx(0.001, rel=1e-6)
+    assert costs.seconds(4) == pytest.approx(0.002, rel=1e-6)  # on the log-log line
+    assert costs.seconds(64) == pytest.approx(4 * costs.seconds(16), rel=1e-6)  # proportional
+    assert costs.seconds(17) > costs.seconds(16)  # rows inside a bucket are not free
     costs = RowCosts()
     costs.observe(8, 0.002)
-    assert costs.seconds(2) == pytest.approx(0.0005, rel=0.05)  # optimistic: proportional
+    assert costs.seconds(2) == pytest.approx(0.0005, rel=0.05)  # proportional
+    costs.observe(4, 0.003)  # fewer rows measured dearer: more rows never cost less
+    assert costs.seconds(6) >= costs.seconds(4)
 
 
 def test_row_costs_follow_the_machine_and_keep_their_contrasts():
@@ -129,7 +132,7 @@ def test_a_prompt_carrying_step_is_priced_at_its_margin():
         return 0.0002 * rows
 
     def memory_bound(rows: int) -> float:
-        return 0.002 + 0.0002 * max(0, rows - 8)
+        return 0.002 + 0.00005 * max(0, rows - 8)
 
     reqs = [make_request(str(i), accepted=60, rejections=40) for i in range(4)]
     ctl = priced(ladder(4, 1, 4), target=compute_bound)

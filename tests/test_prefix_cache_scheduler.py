@@ -181,23 +181,24 @@ PLANTS = {
     # written its K/V: that slot still holds a rejected draft's (or nothing)
     "the bonus slot": (
         "tokens",
+        "_filled",
         lambda self, r: min(r.num_computed + 1, self.kv.num_slots(r.request_id)),
     ),
-    # blocks published when the target holds them, before an EAGLE head has caught up
-    "the target only": ("features", lambda self, r: r.num_computed),
+    # blocks published as held by an EAGLE head when only the target holds them
+    "the target only": ("features", "_publishable", lambda self, r: (r.num_computed,) * 2),
 }
 
 
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_planted_publication_bugs_are_caught(monkeypatch, plant):
     """Caught by the shadow's checks or the rollback guard (``truncate``) in most mixes."""
-    draft_input, filled = PLANTS[plant]
+    draft_input, method, planted = PLANTS[plant]
     caught = 0
     for seed in range(20):
         rng = random.Random(seed)
         sched, _, _ = random_mix(rng, draft_input, seed, caching=True)
         with monkeypatch.context() as m:
-            m.setattr(Scheduler, "_filled", filled)
+            m.setattr(Scheduler, method, planted)
             try:
                 ShadowWorker(sched, rng).run()
             except (AssertionError, RuntimeError):

@@ -81,7 +81,7 @@ def random_mix(rng: random.Random, draft_input: str, seed: int, caching: bool = 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("draft_input", ["tokens", "features", "none"])
 def test_random_mixes_with_forks_and_preemption_always_finish(draft_input, caching):
-    preemptions = forks = hits = 0
+    preemptions = forks = hits = holes = 0
     for seed in range(150):
         rng = random.Random(seed)
         sched, kv, expected = random_mix(rng, draft_input, seed, caching)
@@ -95,6 +95,7 @@ def test_random_mixes_with_forks_and_preemption_always_finish(draft_input, cachi
             plan = sched.schedule()
             assert plan.requests, f"seed {seed}: nothing scheduled while requests wait"
             hits += plan.prefix_cache_hits
+            holes += sum(r.drafter_hole for r in sched.running)
             for req in sched.update(plan, worker.step(plan)):
                 if req.is_finished:
                     finished[req.request_id] = req
@@ -108,3 +109,5 @@ def test_random_mixes_with_forks_and_preemption_always_finish(draft_input, cachi
         preemptions += sched.num_preemptions
     assert preemptions > 100 and forks > 500  # the search did reach the paths it is for
     assert (hits > 5000) == caching
+    # an EAGLE head that finds blocks only the target holds drafts nothing for that request
+    assert (holes > 0) == (caching and draft_input == "features"), holes

@@ -29,6 +29,7 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._key_of: list[bytes | None] = [None] * num_blocks
         self._after: list[int | None] = [None] * num_blocks  # see ``publish``
+        self._drafted = [False] * num_blocks  # see ``publish``
         self._cache: dict[bytes, dict[int | None, int]] = {}  # key -> token after -> block
         self._num_cached = 0
         self.num_evictions = 0
@@ -89,11 +90,14 @@ class BlockPool:
                     self._free.append(b)
 
     # ---- the prefix cache --------------------------------------------------------------------
-    def publish(self, block: int, key: bytes, after: int | None = None) -> bool:
+    def publish(
+        self, block: int, key: bytes, after: int | None = None, drafted: bool = True
+    ) -> bool:
         """Make an owned block findable under ``key`` (its contents' identity) and ``after``:
         the token after the block's last position, for a drafter whose cache there depends on
-        it (None: no such drafter). False when another block is published under both, or this
-        block already is."""
+        it (None: no such drafter). ``drafted``: whether the drafter's cache holds the block too
+        (else only the target's does; ``mark_drafted`` says when it does). False when another
+        block is published under both, or this block already is."""
         if self._ref_counts[block] == 0:
             raise ValueError(f"block {block} is not owned and cannot be published")
         entries = self._cache.setdefault(key, {})
@@ -102,8 +106,17 @@ class BlockPool:
         entries[after] = block
         self._key_of[block] = key
         self._after[block] = after
+        self._drafted[block] = drafted
         self._num_cached += 1
         return True
+
+    def mark_drafted(self, block: int) -> None:
+        """The drafter's cache now holds a published block too."""
+        self._drafted[block] = True
+
+    def is_drafted(self, block: int) -> bool:
+        """Whether the drafter's cache holds a published block."""
+        return self._drafted[block]
 
     def lookup(self, key: bytes, after: int | None = None) -> tuple[int, bool] | None:
         """A block published under ``key``, and whether it was published with ``after``

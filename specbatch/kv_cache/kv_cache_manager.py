@@ -46,6 +46,7 @@ class KVCacheManager:
         self.salt = salt  # the root of every key chain (block_keys.py)
         self._tables: dict[str, list[int]] = {}
         self._published: dict[str, int] = {}  # leading table blocks that are in the cache
+        self._drafted: dict[str, int] = {}  # leading table blocks the drafter's cache holds
         self._keys: dict[str, list[bytes]] = {}  # the keys of each request's full blocks
 
     @property
@@ -116,6 +117,7 @@ class KVCacheManager:
         blocks first, so that a prefix outlives its extensions)."""
         table = self._tables.pop(request_id, None)
         self._published.pop(request_id, None)
+        self._drafted.pop(request_id, None)
         if table:
             self.pool.release(reversed(table))
 
@@ -162,6 +164,7 @@ class KVCacheManager:
             self.pool.share(b)
         self._tables[request_id] = list(blocks)
         self._published[request_id] = len(blocks)
+        self._drafted[request_id] = self.num_drafted(blocks)
 
     def copy_on_write(self, request_id: str, index: int) -> tuple[int, int] | None:
         """Put a block of the request's own in place of ``table[index]``, for slots it will
@@ -175,26 +178,45 @@ class KVCacheManager:
         source, table[index] = table[index], copy
         self.pool.release([source])
         self._published[request_id] = min(self._published.get(request_id, 0), index)
+        self._drafted[request_id] = min(self._drafted.get(request_id, 0), index)
         return source, copy
 
     def num_published(self, request_id: str) -> int:
         return self._published.get(request_id, 0)
+
+    def num_drafted_blocks(self, request_id: str) -> int:
+        """The request's leading blocks its drafter's cache holds, as last published."""
+        return self._drafted.get(request_id, 0)
 
     def publish(
         self,
         request_id: str,
         keys: Sequence[bytes],
         after: Callable[[int], int] | None = None,
+        drafted: int | None = None,
     ) -> None:
         """Publish the request's first ``len(keys)`` blocks under ``keys``: every slot in them
-        holds the K/V of a verified token in every model's cache. ``after(i)``: the token after
-        block i, for a drafter whose cache at a block's last slot depends on it (EAGLE). A
-        block whose key (and token after) another block already has stays unpublished."""
+        holds the K/V of a verified token in the target's cache, and in the drafter's for the
+        first ``drafted`` blocks (None: all). ``after(i)``: the token after block i, for a
+        drafter whose cache at a block's last slot depends on it (EAGLE). A block whose key
+        (and token after) another block already has stays unpublished."""
         table = self._tables[request_id]
         start = self._published.get(request_id, 0)
+        drafted = len(keys) if drafted is None else drafted
         for i in range(start, len(keys)):
-            self.pool.publish(table[i], keys[i], None if after is None else after(i))
+            self.pool.publish(table[i], keys[i], None if after is None else after(i), i < drafted)
         self._published[request_id] = max(start, len(keys))
+        for i in range(self._drafted.get(request_id, 0), min(drafted, len(table))):
+            if self.pool.key_of(table[i]) is not None:
+                self.pool.mark_drafted(table[i])
+        self._drafted[request_id] = max(self._drafted.get(request_id, 0), drafted)
+
+    def num_drafted(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks``, from the first, the drafter's cache holds."""
+        n = 0
+        while n < len(blocks) and self.pool.is_drafted(blocks[n]):
+            n += 1
+        return n
 
     def reset_prefix_cache(self) -> int:
         """Forget every published block (owners keep theirs); returns how many there were."""

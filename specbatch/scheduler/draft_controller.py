@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
 from specbatch.scheduler.output import SchedulerOutput, StepResult
-from specbatch.scheduler.row_costs import FAST, SLOW, RowCosts
+from specbatch.scheduler.row_costs import RowCosts
 
 PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
 PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
@@ -121,7 +121,9 @@ class DraftController:
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
         self.drafter = RowCosts()
-        self.rest: dict[DraftShape, float] = {}  # the rest of a step, by its deepest shape
+        # the rest of a step (sampling, bookkeeping) by its decoding rows, drafted or not
+        self.rest_plain = RowCosts(scale_beyond=False)
+        self.rest_drafting = RowCosts(scale_beyond=False)
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
         self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
         self._class_of: dict[str, SamplingClass] = {}
@@ -172,8 +174,11 @@ class DraftController:
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
             t += self.drafter.seconds(beam) or 0.0
-        deepest = max(plan.values(), key=lambda s: (s.depth, s.nodes))
-        return t + self.rest.get(deepest, self.rest.get(DraftShape(), 0.0))
+        decoding = sum(n * (1 + plan[c].nodes) for c, n in counts.items())
+        rest = self.rest_drafting if depth else self.rest_plain
+        if rest.level is None:
+            rest = self.rest_plain
+        return t + (rest.seconds(decoding) or 0.0)
 
     # ---- the choice ----------------------------------------------------------------------
     def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
@@ -272,14 +277,16 @@ class DraftController:
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
         """Count each class's tested drafts and trees' yields; price the passes it ran."""
-        deepest = DraftShape()
+        drafted = decoding = 0
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
-            if r is None or not r.num_proposed:
+            if r is None:
                 continue
+            decoding += 1 + sr.num_draft
+            if not r.num_proposed:
+                continue
+            drafted += 1
             shape = sr.shape
-            if (shape.depth, shape.nodes) > (deepest.depth, deepest.nodes):
-                deepest = shape
             cls = self._class_of.get(sr.request_id)
             if cls is None:
                 continue
@@ -295,8 +302,6 @@ class DraftController:
         for model, rows, secs in result.passes:
             (self.target if model == "target" else self.drafter).observe(rows, secs)
             passes += secs
-        if result.passes:  # as the passes' costs: fast towards less time, slowly to more
-            rest = max(seconds - passes, 1e-6)
-            old = self.rest.get(deepest)
-            rate = FAST if old is None or rest < old else SLOW
-            self.rest[deepest] = rest if old is None else old * (rest / old) ** rate
+        if result.passes and decoding:
+            rest = self.rest_drafting if drafted else self.rest_plain
+            rest.observe(decoding, max(seconds - passes, 1e-6))

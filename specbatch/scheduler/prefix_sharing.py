@@ -55,6 +55,7 @@ class PrefixSharing:
         K/V there read that token): the target recomputes its feature, which the head then
         reads with the request's own next token. The block holding the first position it
         computes is copied first when it is cached."""
+        req.drafter_hole = False
         if not self.queries_cache(req):
             return 0, None
         kv, bs, n = self.kv, self.kv.block_size, req.num_tokens
@@ -74,13 +75,18 @@ class PrefixSharing:
             if copy is None:
                 kv.free(req.request_id)
                 return 0, None
-        req.num_computed = req.num_draft_computed = resume
+        req.num_computed = resume
+        req.num_draft_computed = min(resume, kv.num_drafted(kept) * bs)
+        # an EAGLE head reads the target's features of every position, which the request's
+        # target never computes for cached blocks: past a block only the target holds, it
+        # cannot catch up, and the request drafts nothing (a draft model reads tokens)
+        req.drafter_hole = self.draft_input == "features" and req.num_draft_computed < resume
         return resume, copy
 
     def _in_flight(self, key: bytes) -> bool:
         """Whether a running request is computing the block of this key: it publishes it once
-        its target and drafter hold it (an EAGLE head a step after the target; a drafter that
-        lags catches up on every full block while the prefix cache is on)."""
+        its target holds it, and while drafts are being made once its drafter does too (an
+        EAGLE head a step after the target)."""
         return key in self._computing
 
     def admitted(self, req: Request, copy: Copy | None) -> None:
@@ -99,14 +105,15 @@ class PrefixSharing:
             if self._computing.setdefault(key, req) is req:
                 mine.append(key)
 
-    def publish(self, req: Request, filled: int) -> None:
-        """Publish the request's full blocks below ``filled``, the positions both caches hold
-        (verified tokens only)."""
+    def publish(self, req: Request, filled: int, drafted: int) -> None:
+        """Publish the request's full blocks below ``filled`` (verified positions the target's
+        cache holds), marked as held by the drafter's cache below ``drafted``."""
         bs, rid = self.kv.block_size, req.request_id
         known = req.num_tokens - (self.draft_input == "features")  # see ``after``
         full = min(filled, known) // bs
         done = self.kv.num_published(rid)
-        if full <= done:
+        drafted_blocks = min(drafted, known) // bs
+        if full <= done and drafted_blocks <= self.kv.num_drafted_blocks(rid):
             return
         keys = self.kv.block_keys(rid, req.token_slice, full)
         after = None
@@ -115,7 +122,7 @@ class PrefixSharing:
             def after(i: int) -> int:
                 return req.token_slice((i + 1) * bs, (i + 1) * bs + 1)[0]
 
-        self.kv.publish(rid, keys, after)
+        self.kv.publish(rid, keys, after, drafted_blocks)
         for key in keys[done:]:
             if self._computing.get(key) is req:
                 del self._computing[key]

@@ -8,10 +8,12 @@ Other work on the machine only ever adds time to a pass, so both move fast towar
 faster than they expect and slowly towards a slower one: they follow the machine's speed, not
 its interruptions; offsets move ten times slower than the level, so a drift moves the level.
 A bucket's first pass sets its offset, capped at what its rows would cost in proportion to the
-nearest smaller bucket's (more rows never cost more than that). A bucket never measured is
-priced optimistically, as its nearest smaller measured bucket (or, below them all, the
-smallest's cost scaled down with the rows), so that a plan whose rows were never measured is
-tried once and then priced by what it cost.
+nearest smaller bucket's. Between measured buckets a pass is priced on the line joining them
+(in log rows and log seconds), beyond them in proportion to the rows (or, for costs that are
+mostly per step, as the largest measured: a guess that the first such pass corrects), and
+never below what
+fewer rows cost: rows added inside a bucket cost their share of the slope, so a plan does not
+gain rows free by staying inside one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def row_bucket(rows: int) -> int:
 
 
 class RowCosts:
-    def __init__(self) -> None:
+    def __init__(self, scale_beyond: bool = True) -> None:
+        self.scale_beyond = scale_beyond  # rows beyond the largest measured: proportional
         self.level: float | None = None  # log seconds
         self.offsets: dict[int, float] = {}  # row bucket -> log seconds beyond the level
         self._sorted: list[int] = []
@@ -70,14 +73,19 @@ class RowCosts:
         return price
 
     def _offset(self, x: float) -> float:
-        """The offset at bucket position ``x`` (fractional: rows between two buckets); a
-        fraction above a measured bucket is priced as that bucket."""
+        """The offset at bucket position ``x`` (fractional: rows between two buckets)."""
         s = self._sorted
         if not s:
             return 0.0
-        i = bisect.bisect_left(s, x)
-        if i < len(s) and s[i] == x:
-            return self.offsets[s[i]]
-        if i == 0:  # fewer rows than any measured: proportionally cheaper
-            return self.offsets[s[0]] + (x - s[0]) / 4 * math.log(2)
-        return self.offsets[s[i - 1]]  # as dear as the nearest smaller measured bucket
+        i = bisect.bisect_right(s, x)
+        if i == 0:  # fewer rows than any measured: in proportion to the smallest
+            return self._floor(0) + (x - s[0]) / 4 * math.log(2)
+        lo = self._floor(i - 1)
+        if i == len(s):  # more rows than any measured
+            return lo + (x - s[-1]) / 4 * math.log(2) if self.scale_beyond else lo
+        hi = max(lo, self.offsets[s[i]])
+        return lo + (hi - lo) * (x - s[i - 1]) / (s[i] - s[i - 1])
+
+    def _floor(self, i: int) -> float:
+        """The offset of the ``i``-th measured bucket, or of a smaller one if that costs more."""
+        return max(self.offsets[b] for b in self._sorted[: i + 1])

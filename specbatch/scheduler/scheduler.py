@@ -199,12 +199,17 @@ class Scheduler:
         """What the drafter's KV cache catches up on this step (see ``draft_input``). A drafter
         catches up on a request in the steps where it drafts for it, and on prompt chunks with
         the target unless the policy last wanted no drafts at all: a request that drafts
-        nothing lets it lag, at no draft work; with the prefix cache, only within a block, as
-        a block is published once the drafter holds it too."""
-        if self.draft_input == "none" or not (
-            drafts
-            or (self._prompt_chunk(req, n) and not self._draft_idle)
-            or self._owes_blocks(req, end)
+        nothing lets it lag, at no draft work; with the prefix cache, while drafts are being
+        made, only within a block, as a block is then published once the drafter holds it too.
+        A request whose EAGLE head has a hole (``PrefixSharing.start``) gets nothing."""
+        if (
+            self.draft_input == "none"
+            or req.drafter_hole
+            or not (
+                drafts
+                or (self._prompt_chunk(req, n) and not self._draft_idle)
+                or self._owes_blocks(req, end)
+            )
         ):
             return []
         if self.draft_input == "features":  # the positions the target processed before
@@ -212,10 +217,11 @@ class Scheduler:
         return req.token_slice(req.num_draft_computed, end)
 
     def _owes_blocks(self, req: Request, end: int) -> bool:
-        """With the prefix cache: whether the drafter lacks a full block the target holds
-        (after this step, for a draft model; before it, for an EAGLE head, which reads a
-        position's features a step after the target computes them)."""
-        if self.prefix is None:
+        """With the prefix cache, while drafts are being made: whether the drafter of a request
+        not ``_detached`` lacks a full block the target holds (after this step, for a draft
+        model; before it, for an EAGLE head, which reads a position's features a step after
+        the target computes them)."""
+        if self.prefix is None or self._draft_idle or self._detached(req):
             return False
         reach = req.num_computed if self.draft_input == "features" else end
         return req.num_draft_computed < reach // self.kv.block_size * self.kv.block_size
@@ -271,10 +277,12 @@ class Scheduler:
         if not self.speculative:
             return {}
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
+        holes = sum(r.drafter_hole for r in decoding)
+        decoding = [r for r in decoding if not r.drafter_hole]
         if not decoding:
             return {}
         shapes: dict[str, DraftShape] = {}
-        wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget))
+        wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget) + holes)
         self._draft_idle = not any(w.nodes for w in wants)
         for req, want in zip(decoding, wants, strict=True):
             room_len = self.limits.max_model_len - req.num_tokens
@@ -327,6 +335,7 @@ class Scheduler:
                 if shared:  # give the shared blocks back until it can run
                     self.kv.free(req.request_id)
                     req.num_computed = req.num_draft_computed = 0
+                    req.drafter_hole = False
                 self.waiting.appendleft(req)
                 break
             if self.prefix is not None:
@@ -360,6 +369,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed = 0
         req.num_draft_computed = 0
+        req.drafter_hole = False
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -382,7 +392,7 @@ class Scheduler:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)
                 if self.prefix is not None:
-                    self.prefix.publish(req, self._filled(req))
+                    self.prefix.publish(req, *self._publishable(req))
                 continue
             r = result.results[sr.request_id]
             if self.draft_input == "tokens" and sr.shape.is_chain:
@@ -412,7 +422,7 @@ class Scheduler:
             if r.grammar_done and req.finish_reason is None:
                 req.finish_reason = FinishReason.STOP  # the structured output is complete
             if self.prefix is not None:  # the accepted tokens are the request's now
-                self.prefix.publish(req, self._filled(req))
+                self.prefix.publish(req, *self._publishable(req))
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)
@@ -440,6 +450,23 @@ class Scheduler:
         if self.draft_input == "none":
             return req.num_computed
         return min(req.num_computed, req.num_draft_computed)
+
+    def _publishable(self, req: Request) -> tuple[int, int]:
+        """The positions of ``req`` its published blocks may reach, and those of them its
+        drafter's cache holds. While drafts are being made: what both caches hold, so that a
+        request finding the blocks drafts from them at once. While none are, or once the
+        drafter has fallen behind: what the target holds, so that the drafter need not follow
+        (its cache is marked as it catches up)."""
+        drafted = req.num_computed if self.draft_input == "none" else req.num_draft_computed
+        if self._draft_idle or self._detached(req):
+            return req.num_computed, drafted
+        return self._filled(req), drafted
+
+    def _detached(self, req: Request) -> bool:
+        """Whether the request's drafter lacks a block it has published: published while no
+        drafts were made, or found in the prefix cache held by the target alone."""
+        rid = req.request_id
+        return self.kv.num_drafted_blocks(rid) < self.kv.num_published(rid)
 
     def _ready_to_fork(self, req: Request) -> bool:
         return self._filled(req) >= self._shareable(req)
