@@ -143,6 +143,19 @@ def test_a_prompt_carrying_step_is_priced_at_its_margin():
     assert all(s.nodes for s in ctl.draft_shapes(reqs, prompt_rows=2000))
 
 
+def test_draft_rows_inside_a_measured_bucket_are_not_free():
+    """Beside 2,016 prompt rows, 32 requests' four drafts each add 128 rows, which fall in the
+    bucket of the rows without them: on a machine where every row costs the same they still
+    cost their share, and nobody drafts."""
+    ctl = DraftController(ladder(4, 1, 4))
+    for rows in sorted({round(2 ** (b / 4)) for b in range(49)}):  # every bucket to 4096
+        ctl.target.observe(rows, 0.0002 * rows)
+        ctl.drafter.observe(rows, 0.00002 * rows)
+    reqs = [make_request(str(i), accepted=70, rejections=30) for i in range(32)]
+    assert row_bucket(2016 + 32) == row_bucket(2016 + 32 * 5)
+    assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2016))
+
+
 def test_deeper_drafts_for_higher_acceptance_and_trees_where_rows_are_free():
     ctl = priced(ladder(4, 4, 16))
     low = ctl.draft_shapes([make_request("a", accepted=20, rejections=80)])[0]

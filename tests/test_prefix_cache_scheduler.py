@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
@@ -252,4 +253,49 @@ def test_a_drafter_that_lags_still_lets_every_block_be_published(draft_input, st
     plan, c = first_plan(sched, w, "c")
     assert c.target_start == 20 and plan.prefix_cache_hits == 20
     w.run()
+    assert all_blocks_back(kv)
+
+
+class Switch(FixedDraft):
+    """Drafts a chain of 2 for every decoding request while ``on``, nothing otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.on = False
+
+    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        return [self.shape if self.on else DraftShape()] * len(requests)
+
+
+@pytest.mark.parametrize("draft_input", ["tokens", "features"])
+def test_an_idle_drafter_does_no_work_and_the_cache_still_fills(draft_input):
+    """While no drafts are made, blocks are published as the target computes them and the
+    drafter catches up on nothing; a request finding them takes them all. Once drafts resume,
+    a draft model catches up on what it lacks; an EAGLE head, which would need the target's
+    features of the cached positions, drafts nothing for that request."""
+    policy = Switch()
+    sched, kv, w = make(policy=policy, draft_input=draft_input)
+    sched.add_request(req("a", P, max_tokens=14))
+    first_plan(sched, w, "a")  # its prompt: the drafter follows until the policy says no
+    caught_up = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        caught_up += sum(len(sr.draft_token_ids) for sr in plan.requests)
+        sched.update(plan, w.step(plan))
+    assert caught_up == 0 and kv.num_cached_blocks == 5  # 23 tokens: 5 full blocks
+    policy.on = True
+    tokens = [*P, *[1000 + p for p in range(10, 23)]]  # the shadow's outputs
+    sched.add_request(req("b", [*tokens[:20], 7, 7], max_tokens=8))
+    _, b = first_plan(sched, w, "b")
+    if draft_input == "tokens":  # the prompt's two blocks were drafted with the target's
+        assert (b.target_start, b.draft_start) == (20, 8)
+    else:  # the head reads a step late, when no drafts were wanted; the last cached block
+        # was published with another token after it, which the head's last slot read
+        assert (b.target_start, b.draft_start) == (19, 0)
+    drafted = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        drafted += [sr.num_draft for sr in plan.requests]
+        sched.update(plan, w.step(plan))
+    assert (sum(drafted) > 0) == (draft_input == "tokens"), drafted
     assert all_blocks_back(kv)
