@@ -57,6 +57,8 @@ def cheap_drafter(rows: int) -> float:
 
 def priced(shapes: list[DraftShape], target=memory_bound, drafter=cheap_drafter):
     ctl = DraftController(shapes)
+    ctl.target.observe(1, 1.0)  # a first call: left out
+    ctl.drafter.observe(1, 1.0)
     for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         ctl.target.observe(rows, target(rows))
         ctl.drafter.observe(rows, drafter(rows))
@@ -67,16 +69,19 @@ def priced(shapes: list[DraftShape], target=memory_bound, drafter=cheap_drafter)
 def test_row_buckets_and_unmeasured_rows():
     assert [row_bucket(r) for r in (1, 2, 4, 8)] == [0, 4, 8, 12]
     costs = RowCosts()
+    costs.observe(1, 0.05)  # a first call: left out
     assert costs.seconds(4) is None
     costs.observe(1, 0.001)
     costs.observe(16, 0.004)
     assert costs.seconds(1) == pytest.approx(0.001, rel=1e-6)
     assert costs.seconds(4) == pytest.approx(0.002, rel=1e-6)  # on the log-log line
-    assert costs.seconds(64) == pytest.approx(4 * costs.seconds(16), rel=1e-6)  # proportional
-    assert costs.seconds(17) > costs.seconds(16)  # rows inside a bucket are not free
+    assert costs.seconds(64) == pytest.approx(0.008, rel=1e-6)  # on the last two's slope
+    assert costs.seconds(9) > costs.seconds(8)  # rows inside a bucket are not free
     costs = RowCosts()
+    costs.observe(8, 0.1)
     costs.observe(8, 0.002)
     assert costs.seconds(2) == pytest.approx(0.0005, rel=0.05)  # proportional
+    assert costs.seconds(32) == pytest.approx(0.002, rel=1e-6)  # one measured: flat, to be tried
     costs.observe(4, 0.003)  # fewer rows measured dearer: more rows never cost less
     assert costs.seconds(6) >= costs.seconds(4)
 
@@ -148,7 +153,7 @@ def test_draft_rows_inside_a_measured_bucket_are_not_free():
     bucket of the rows without them: on a machine where every row costs the same they still
     cost their share, and nobody drafts."""
     ctl = DraftController(ladder(4, 1, 4))
-    for rows in sorted({round(2 ** (b / 4)) for b in range(49)}):  # every bucket to 4096
+    for rows in [1, *sorted({round(2 ** (b / 4)) for b in range(49)})]:  # every bucket to 4096
         ctl.target.observe(rows, 0.0002 * rows)
         ctl.drafter.observe(rows, 0.00002 * rows)
     reqs = [make_request(str(i), accepted=70, rejections=30) for i in range(32)]

@@ -122,8 +122,8 @@ class DraftController:
         self.target = RowCosts()
         self.drafter = RowCosts()
         # the rest of a step (sampling, bookkeeping) by its decoding rows, drafted or not
-        self.rest_plain = RowCosts(scale_beyond=False)
-        self.rest_drafting = RowCosts(scale_beyond=False)
+        self.rest_plain = RowCosts()
+        self.rest_drafting = RowCosts()
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
         self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
         self._class_of: dict[str, SamplingClass] = {}

@@ -7,13 +7,13 @@ row bucket: so a bucket measured a minute ago still compares fairly with one mea
 Other work on the machine only ever adds time to a pass, so both move fast towards a pass
 faster than they expect and slowly towards a slower one: they follow the machine's speed, not
 its interruptions; offsets move ten times slower than the level, so a drift moves the level.
-A bucket's first pass sets its offset, capped at what its rows would cost in proportion to the
-nearest smaller bucket's. Between measured buckets a pass is priced on the line joining them
-(in log rows and log seconds), beyond them in proportion to the rows (or, for costs that are
-mostly per step, as the largest measured: a guess that the first such pass corrects), and
-never below what
-fewer rows cost: rows added inside a bucket cost their share of the slope, so a plan does not
-gain rows free by staying inside one.
+A curve's first pass is not taken (it pays what a first call pays: buffers allocated, code
+paths warmed). A bucket's first measured pass sets its offset, capped at what its rows would
+cost in proportion to the nearest smaller bucket's. Between measured buckets a pass is priced
+on the line joining them (in log rows and log seconds); below them in proportion to the rows;
+beyond them on the slope of the last two (between flat and proportional; flat with one, a
+guess the next such pass corrects); and never below what fewer rows cost: rows added inside a
+bucket cost their share of the slope, so a plan does not gain rows free by staying inside one.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ def row_bucket(rows: int) -> int:
 
 
 class RowCosts:
-    def __init__(self, scale_beyond: bool = True) -> None:
-        self.scale_beyond = scale_beyond  # rows beyond the largest measured: proportional
+    def __init__(self) -> None:
         self.level: float | None = None  # log seconds
         self.offsets: dict[int, float] = {}  # row bucket -> log seconds beyond the level
         self._sorted: list[int] = []
+        self._warm = False  # whether the first pass was seen (and left out)
         self._prices: dict[int, float] = {}  # rows -> seconds, until the next pass is measured
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -43,6 +43,9 @@ class RowCosts:
         y = math.log(max(seconds, 1e-7))
         x = 4 * math.log2(max(rows, 1))
         b = row_bucket(rows)
+        if not self._warm:
+            self._warm = True
+            return
         if self.level is None:
             self.level = y
         if b not in self.offsets:  # a new row count: its contrast, not the machine's drift
@@ -81,8 +84,11 @@ class RowCosts:
         if i == 0:  # fewer rows than any measured: in proportion to the smallest
             return self._floor(0) + (x - s[0]) / 4 * math.log(2)
         lo = self._floor(i - 1)
-        if i == len(s):  # more rows than any measured
-            return lo + (x - s[-1]) / 4 * math.log(2) if self.scale_beyond else lo
+        if i == len(s):  # more rows than any measured: on the last two's slope
+            if len(s) == 1:
+                return lo
+            slope = (lo - self._floor(len(s) - 2)) / (s[-1] - s[-2])
+            return lo + min(max(slope, 0.0), math.log(2) / 4) * (x - s[-1])
         hi = max(lo, self.offsets[s[i]])
         return lo + (hi - lo) * (x - s[i - 1]) / (s[i] - s[i - 1])
 
