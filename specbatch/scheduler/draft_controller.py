@@ -14,8 +14,10 @@ children per level); its expectation from that bound is replaced, as rounds come
 trees of that shape yielded in its class.
 
 Seconds. A step costs the target's pass over all its rows (the prompt chunks it carries
-included, and what admissions will add), the drafter's passes (one per depth after the first,
-over the requests' beams), and the rest of the step, each measured (row_costs.py).
+included, and what admissions will add), the drafter's passes (its first over what it catches
+up on, one per depth after that over the requests' beams), and the rest of the step (sampling,
+bookkeeping: by its decoding requests, in steps that draft and in steps that do not), each
+measured (row_costs.py).
 
 The choice. Every request will emit its tokens whatever is drafted; drafts only change how
 many seconds that takes. A draft pays when the tokens it adds cost fewer seconds than decoding
@@ -41,7 +43,7 @@ from specbatch.scheduler.row_costs import RowCosts
 PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
 PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
 TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
-PROBE_EVERY = 32  # steps between two runs of the runner-up plan (keeps its figures fresh)
+PROBE_EVERY = 32  # steps between two probes of another plan (keeps its figures fresh)
 MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 
 SamplingClass = tuple[float, float, int, float]
@@ -101,7 +103,7 @@ class _Step:
 
     counts: Counts
     alphas: Alphas
-    behind: Counts  # tokens each class's drafter must catch up on
+    behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
     prompt_rows: int
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
@@ -121,7 +123,7 @@ class DraftController:
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
         self.drafter = RowCosts()
-        # the rest of a step (sampling, bookkeeping) by its decoding rows, drafted or not
+        # the rest of a step (sampling, bookkeeping) by its decoding requests, drafted or not
         self.rest_plain = RowCosts()
         self.rest_drafting = RowCosts()
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
@@ -158,11 +160,14 @@ class DraftController:
 
     # ---- prices --------------------------------------------------------------------------
     def seconds(
-        self, counts: Counts, plan: Shapes, prompt_rows: int, behind: Counts | None = None
+        self,
+        counts: Counts,
+        plan: Shapes,
+        prompt_rows: int,
+        behind: dict[SamplingClass, float] | None = None,
     ) -> float | None:
-        """Seconds of a step where each class drafts its shape; ``behind``: the tokens each
-        class's drafter must catch up on before drafting (it lags while a request drafts
-        nothing)."""
+        """Seconds of a step where each class drafts its shape; ``behind``: the catch-up rows
+        each class's drafts are charged (``_catch_up``)."""
         rows = prompt_rows + sum(n * (1 + plan[c].nodes) for c, n in counts.items())
         t = self.target.seconds(rows)
         if t is None:
@@ -174,11 +179,10 @@ class DraftController:
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
             t += self.drafter.seconds(beam) or 0.0
-        decoding = sum(n * (1 + plan[c].nodes) for c, n in counts.items())
         rest = self.rest_drafting if depth else self.rest_plain
         if rest.level is None:
             rest = self.rest_plain
-        return t + (rest.seconds(decoding) or 0.0)
+        return t + (rest.seconds(sum(counts.values())) or 0.0)
 
     # ---- the choice ----------------------------------------------------------------------
     def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
@@ -191,13 +195,11 @@ class DraftController:
         none = {c: DraftShape() for c in groups}
         if self.target.level is None:  # nothing priced yet
             return [DraftShape()] * len(requests)
-        behind = {
-            c: sum(r.num_tokens - r.num_draft_computed for r in rs) for c, rs in groups.items()
-        }
+        alphas = {c: self.alpha(c, rs) for c, rs in groups.items()}
         step = _Step(
             counts={c: len(rs) for c, rs in groups.items()},
-            alphas={c: self.alpha(c, rs) for c, rs in groups.items()},
-            behind=behind,
+            alphas=alphas,
+            behind={c: self._catch_up(rs, alphas[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
         )
         decode_only = self.seconds(step.counts, none, 0)  # what no drafts make a second
@@ -213,6 +215,20 @@ class DraftController:
                 self.expected[i] += tokens
                 self.expected[i + 1] += seconds
         return [plan[sampling_class(r)] for r in requests]
+
+    def _catch_up(self, requests: list[Request], alpha: float) -> float:
+        """The rows the drafter's first pass reads for ``requests`` before drafting, as a
+        charge on this round: a round's own tokens in full; what the drafter lags beyond them
+        (it does while a request drafts nothing) serves every later round of its request too,
+        so it is spread over the rounds the request has left (at the deepest chain's tokens a
+        round)."""
+        per_round = chain_tokens(alpha, self.shape.depth)
+        charge = 0.0
+        for r in requests:
+            lag = r.num_tokens - r.num_draft_computed
+            rounds_left = max(1.0, (r.max_output_tokens - len(r.output_token_ids)) / per_round)
+            charge += min(lag, per_round) + max(0.0, lag - per_round) / rounds_left
+        return charge
 
     def _estimate(self, step: _Step, plan: Shapes) -> tuple[float, float | None]:
         """Expected tokens and seconds of ``plan`` (each computed once a step)."""
@@ -251,8 +267,12 @@ class DraftController:
         return plan
 
     def _runner_up(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
-        """The best plan that differs from ``plan`` in the largest class's shape, unless it is
+        """The plan to probe instead of ``plan``. A plan that drafts: no drafts, whose price
+        every choice is weighed against (an over-priced one would keep drafts running that
+        lose). Else the best plan that differs in the largest class's shape, unless it is
         expected to lose more than a tenth of a token a request (then ``plan`` again)."""
+        if any(s.nodes for s in plan.values()):
+            return {c: DraftShape() for c in plan}
         c = max(step.counts, key=lambda c: step.counts[c])
         topks = {s.topk for d, s in plan.items() if d != c and s.nodes}
         others = [s for s in self.shapes
@@ -282,7 +302,7 @@ class DraftController:
             r = result.results.get(sr.request_id)
             if r is None:
                 continue
-            decoding += 1 + sr.num_draft
+            decoding += 1
             if not r.num_proposed:
                 continue
             drafted += 1
@@ -302,6 +322,9 @@ class DraftController:
         for model, rows, secs in result.passes:
             (self.target if model == "target" else self.drafter).observe(rows, secs)
             passes += secs
-        if result.passes and decoding:
+        # the rest of steps that carry no prompt: what a prompt adds to it is the same
+        # whatever is drafted beside it
+        decode_only = all(sr.sample and len(sr.target_token_ids) == 1 for sr in plan.requests)
+        if result.passes and decoding and decode_only:
             rest = self.rest_drafting if drafted else self.rest_plain
             rest.observe(decoding, max(seconds - passes, 1e-6))

@@ -8,8 +8,9 @@ Other work on the machine only ever adds time to a pass, so both move fast towar
 faster than they expect and slowly towards a slower one: they follow the machine's speed, not
 its interruptions; offsets move ten times slower than the level, so a drift moves the level.
 A curve's first pass is not taken (it pays what a first call pays: buffers allocated, code
-paths warmed). A bucket's first measured pass sets its offset, capped at what its rows would
-cost in proportion to the nearest smaller bucket's. Between measured buckets a pass is priced
+paths warmed). A bucket's offset is the least of its first few passes (any one of them may
+have been interrupted), the first capped at what its rows would cost in proportion to the
+nearest smaller bucket's. Between measured buckets a pass is priced
 on the line joining them (in log rows and log seconds); below them in proportion to the rows;
 beyond them on the slope of the last two (between flat and proportional; flat with one, a
 guess the next such pass corrects); and never below what fewer rows cost: rows added inside a
@@ -22,6 +23,7 @@ import bisect
 import math
 
 FAST, SLOW = 0.3, 0.03  # shares of a faster / slower pass's surprise that move the level
+SETTLE = 3  # a bucket's first passes: its offset is the least of them, the level stays
 CONTRAST = 0.1  # offsets move this much slower than the level: a drift moves the level
 
 
@@ -36,6 +38,7 @@ class RowCosts:
         self.offsets: dict[int, float] = {}  # row bucket -> log seconds beyond the level
         self._sorted: list[int] = []
         self._warm = False  # whether the first pass was seen (and left out)
+        self._passes: dict[int, int] = {}  # row bucket -> passes measured there
         self._prices: dict[int, float] = {}  # rows -> seconds, until the next pass is measured
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -48,10 +51,13 @@ class RowCosts:
             return
         if self.level is None:
             self.level = y
-        if b not in self.offsets:  # a new row count: its contrast, not the machine's drift
-            cap = self._cap(b)
+        seen = self._passes[b] = self._passes.get(b, 0) + 1
+        if seen == 1:  # a new row count: its contrast, not the machine's drift
             bisect.insort(self._sorted, b)
-            self.offsets[b] = min(y - self.level, cap)
+            self.offsets[b] = min(y - self.level, self._cap(b))
+            return
+        if seen <= SETTLE:  # one pass may have been interrupted: the least of the first few
+            self.offsets[b] = min(self.offsets[b], y - self.level)
             return
         surprise = y - self.level - self._offset(x)
         self.level += (FAST if surprise < 0 else SLOW) * surprise
