@@ -16,7 +16,8 @@ trees of that shape yielded in its class.
 Seconds. A step costs the target's pass over all its rows (the prompt chunks it carries
 included, and what admissions will add), the drafter's passes (its first over what it catches
 up on, one per depth after that over the requests' beams), and the rest of the step (sampling,
-bookkeeping: by its decoding requests, in steps that draft and in steps that do not), each
+bookkeeping: by its decoding rows, measured in steps that draft and in steps that do not; a
+step that drafts pays at least what one without drafts pays for the same requests), each
 measured (row_costs.py).
 
 The choice. Every request will emit its tokens whatever is drafted; drafts only change how
@@ -123,7 +124,7 @@ class DraftController:
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
         self.drafter = RowCosts()
-        # the rest of a step (sampling, bookkeeping) by its decoding requests, drafted or not
+        # the rest of a step (sampling, bookkeeping) by its decoding rows, drafted or not
         self.rest_plain = RowCosts()
         self.rest_drafting = RowCosts()
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
@@ -179,10 +180,11 @@ class DraftController:
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
             t += self.drafter.seconds(beam) or 0.0
-        rest = self.rest_drafting if depth else self.rest_plain
-        if rest.level is None:
-            rest = self.rest_plain
-        return t + (rest.seconds(sum(counts.values())) or 0.0)
+        rest = self.rest_plain.seconds(sum(counts.values())) or 0.0
+        if depth:  # what a step without drafts pays for its requests, and the drafts' rows
+            rows = sum(n * (1 + plan[c].nodes) for c, n in counts.items())
+            rest = max(rest, self.rest_drafting.seconds(rows) or 0.0)
+        return t + rest
 
     # ---- the choice ----------------------------------------------------------------------
     def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
@@ -302,7 +304,7 @@ class DraftController:
             r = result.results.get(sr.request_id)
             if r is None:
                 continue
-            decoding += 1
+            decoding += 1 + sr.num_draft
             if not r.num_proposed:
                 continue
             drafted += 1
@@ -322,9 +324,6 @@ class DraftController:
         for model, rows, secs in result.passes:
             (self.target if model == "target" else self.drafter).observe(rows, secs)
             passes += secs
-        # the rest of steps that carry no prompt: what a prompt adds to it is the same
-        # whatever is drafted beside it
-        decode_only = all(sr.sample and len(sr.target_token_ids) == 1 for sr in plan.requests)
-        if result.passes and decoding and decode_only:
+        if result.passes and decoding:
             rest = self.rest_drafting if drafted else self.rest_plain
             rest.observe(decoding, max(seconds - passes, 1e-6))
