@@ -16,9 +16,9 @@ trees of that shape yielded in its class.
 Seconds. A step costs the target's pass over all its rows (the prompt chunks it carries
 included, and what admissions will add), the drafter's passes (its first over what it catches
 up on, one per depth after that over the requests' beams), and the rest of the step (sampling,
-bookkeeping: by its decoding rows, measured in steps that draft and in steps that do not; a
-step that drafts pays at least what one without drafts pays for the same requests), each
-measured (row_costs.py).
+bookkeeping: by the target's rows, prompts included, measured in steps that draft and in
+steps that do not; a step that drafts pays at least what the same step without drafts pays),
+each measured (row_costs.py).
 
 The choice. Every request will emit its tokens whatever is drafted; drafts only change how
 many seconds that takes. A draft pays when the tokens it adds cost fewer seconds than decoding
@@ -124,7 +124,7 @@ class DraftController:
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
         self.drafter = RowCosts()
-        # the rest of a step (sampling, bookkeeping) by its decoding rows, drafted or not
+        # the rest of a step (sampling, bookkeeping) by the target's rows, drafted or not
         self.rest_plain = RowCosts()
         self.rest_drafting = RowCosts()
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
@@ -180,9 +180,9 @@ class DraftController:
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
             t += self.drafter.seconds(beam) or 0.0
-        rest = self.rest_plain.seconds(sum(counts.values())) or 0.0
-        if depth:  # what a step without drafts pays for its requests, and the drafts' rows
-            rows = sum(n * (1 + plan[c].nodes) for c, n in counts.items())
+        plain_rows = prompt_rows + sum(counts.values())
+        rest = self.rest_plain.seconds(plain_rows) or 0.0
+        if depth:  # at least what the same step without drafts pays
             rest = max(rest, self.rest_drafting.seconds(rows) or 0.0)
         return t + rest
 
@@ -299,13 +299,10 @@ class DraftController:
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
         """Count each class's tested drafts and trees' yields; price the passes it ran."""
-        drafted = decoding = 0
+        drafted = 0
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
-            if r is None:
-                continue
-            decoding += 1 + sr.num_draft
-            if not r.num_proposed:
+            if r is None or not r.num_proposed:
                 continue
             drafted += 1
             shape = sr.shape
@@ -321,9 +318,11 @@ class DraftController:
                 y[0] += r.num_accepted + 1
                 y[1] += 1
         passes = 0.0
+        target_rows = 0
         for model, rows, secs in result.passes:
             (self.target if model == "target" else self.drafter).observe(rows, secs)
             passes += secs
-        if result.passes and decoding:
+            target_rows += rows if model == "target" else 0
+        if target_rows:
             rest = self.rest_drafting if drafted else self.rest_plain
-            rest.observe(decoding, max(seconds - passes, 1e-6))
+            rest.observe(target_rows, max(seconds - passes, 1e-6))
