@@ -20,6 +20,7 @@ bucket cost their share of the slope, so a plan does not gain rows free by stayi
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
 FAST, SLOW = 0.3, 0.03  # shares of a faster / slower pass's surprise that move the level
@@ -40,9 +41,11 @@ class RowCosts:
         self._warm = False  # whether the first pass was seen (and left out)
         self._passes: dict[int, int] = {}  # row bucket -> passes measured there
         self._prices: dict[int, float] = {}  # rows -> seconds, until the next pass is measured
+        self._floors: list[float] = []  # [i]: the largest offset of measured buckets 0..i
 
     def observe(self, rows: int, seconds: float) -> None:
         self._prices.clear()
+        self._floors.clear()
         y = math.log(max(seconds, 1e-7))
         x = 4 * math.log2(max(rows, 1))
         b = row_bucket(rows)
@@ -100,4 +103,6 @@ class RowCosts:
 
     def _floor(self, i: int) -> float:
         """The offset of the ``i``-th measured bucket, or of a smaller one if that costs more."""
-        return max(self.offsets[b] for b in self._sorted[: i + 1])
+        if not self._floors:
+            self._floors = list(itertools.accumulate((self.offsets[b] for b in self._sorted), max))
+        return self._floors[i]
