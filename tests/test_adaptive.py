@@ -22,6 +22,7 @@ from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
 from specbatch.scheduler.draft_controller import (
     PROBE_EVERY,
+    REUSE_STEPS,
     DraftController,
     chain_tokens,
     ladder,
@@ -187,6 +188,26 @@ def test_runs_the_runner_up_every_probe_period():
     seen = [ctl.draft_shapes(reqs)[0] for _ in range(2 * PROBE_EVERY)]
     assert len(set(seen)) == 2
     assert sum(s != seen[0] for s in seen) == 2
+
+
+def test_a_choice_stands_while_what_it_reads_stays_and_no_longer():
+    """A step reading the same batch, prompt rows and acceptance as the last choice reuses it,
+    for at most ``REUSE_STEPS`` steps; a change in any of them is priced at once."""
+    ctl = priced(ladder(4, 1, 4))
+    one = [make_request("a", accepted=70, rejections=30)]
+    drafts = ctl.draft_shapes(one)[0]
+    assert drafts.nodes
+    many = [make_request(str(i), accepted=70, rejections=30) for i in range(256)]
+    assert all(s.nodes == 0 for s in ctl.draft_shapes(many))  # a new batch: priced
+    assert ctl.draft_shapes(one)[0] == drafts
+    assert ctl.draft_shapes([make_request("b", accepted=2, rejections=98)])[0].nodes < drafts.nodes
+    ctl.draft_shapes(one)
+    ctl.rest_plain = RowCosts()  # what the choice priced changes: drafts now cost a step each
+    ctl.rest_drafting.observe(1, 1.0)
+    ctl.rest_drafting.observe(1, 1.0)
+    seen = [ctl.draft_shapes(one)[0] for _ in range(REUSE_STEPS)]
+    assert seen[: REUSE_STEPS - 1] == [drafts] * (REUSE_STEPS - 1)
+    assert seen[-1].nodes == 0
 
 
 def test_no_drafts_before_anything_was_measured():

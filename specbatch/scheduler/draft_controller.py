@@ -32,6 +32,7 @@ same children per node.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
 TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
 PROBE_EVERY = 32  # steps between two probes of another plan (keeps its figures fresh)
 MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
+REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
@@ -108,11 +110,24 @@ class _Step:
     prompt_rows: int
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
+    def key(self) -> tuple:
+        """What the choice reads, coarsened: alphas to 0.02, catch-up rows to quarter octaves."""
+        return (
+            tuple(sorted(self.counts.items())),
+            self.prompt_rows,
+            tuple(sorted((c, round(a * 50)) for c, a in self.alphas.items())),
+            tuple(sorted((c, int(4 * math.log2(1 + b))) for c, b in self.behind.items())),
+        )
+
 
 @dataclass
-class Plan:
-    shapes: Shapes
-    value: float  # expected tokens less the seconds' worth
+class _Choice:
+    """A choice that later steps reading about the same reuse, with its estimates."""
+
+    key: tuple
+    plan: Shapes
+    estimates: tuple[tuple[float, float | None], tuple[float, float | None]]
+    steps_left: int
 
 
 class DraftController:
@@ -131,7 +146,7 @@ class DraftController:
         self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
         self._class_of: dict[str, SamplingClass] = {}
         self._steps: defaultdict[int, int] = defaultdict(int)
-        self.last: Plan | None = None
+        self._choice: _Choice | None = None
         # the chosen plans' expected tokens and seconds, and those of no drafts, summed
         self.expected = [0.0, 0.0, 0.0, 0.0]
 
@@ -204,15 +219,23 @@ class DraftController:
             behind={c: self._catch_up(rs, alphas[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
         )
-        decode_only = self.seconds(step.counts, none, 0)  # what no drafts make a second
-        rate = len(requests) / (decode_only or 1.0)
-        plan = self._best(step, rate, none)
         n = len(requests)
         self._steps[n] += 1
-        if self._steps[n] % PROBE_EVERY == 0:
-            plan = self._runner_up(step, rate, plan)
-        for i, p in ((0, plan), (2, none)):  # the estimated effect
-            tokens, seconds = self._estimate(step, p)
+        probe = self._steps[n] % PROBE_EVERY == 0
+        choice, key = self._choice, step.key()
+        if probe or choice is None or choice.key != key or not choice.steps_left:
+            decode_only = self.seconds(step.counts, none, 0)  # what no drafts make a second
+            rate = len(requests) / (decode_only or 1.0)
+            plan = self._best(step, rate, none)
+            if probe:
+                plan = self._runner_up(step, rate, plan)
+            estimates = (self._estimate(step, plan), self._estimate(step, none))
+            choice = _Choice(key, plan, estimates, REUSE_STEPS)
+            if not probe:  # a probe's plan is not the choice
+                self._choice = choice
+        choice.steps_left -= 1
+        plan = choice.plan
+        for i, (tokens, seconds) in zip((0, 2), choice.estimates, strict=True):  # the effect
             if seconds:
                 self.expected[i] += tokens
                 self.expected[i + 1] += seconds
@@ -265,7 +288,6 @@ class DraftController:
                     value = self._value(step, trial, rate)
                     if value > best:
                         plan, best = trial, value
-        self.last = Plan(plan, best)
         return plan
 
     def _runner_up(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
