@@ -15,7 +15,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
-from specbatch.scheduler.scheduler import Scheduler
+from specbatch.scheduler.drafter_lag import DrafterLag
 from specbatch.scheduler.speculation import FixedDraft
 from specbatch.testing.eagle_heads import make_eagle_head
 from tests.helpers import hf_greedy, make_perturbed_draft
@@ -193,8 +193,8 @@ def publish_the_bonus_slot(monkeypatch) -> None:
     """The planted bug: a block is published once the last emitted token is known, before the
     target writes that token's K/V (its slot holds a rejected draft's, or nothing)."""
     monkeypatch.setattr(
-        Scheduler,
-        "_filled",
+        DrafterLag,
+        "filled",
         lambda self, r: min(r.num_computed + 1, self.kv.num_slots(r.request_id)),
     )
 

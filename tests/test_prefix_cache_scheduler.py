@@ -10,6 +10,7 @@ from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.drafter_lag import DrafterLag
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraft
 from specbatch.stop_checker import StopChecker
@@ -182,11 +183,11 @@ PLANTS = {
     # written its K/V: that slot still holds a rejected draft's (or nothing)
     "the bonus slot": (
         "tokens",
-        "_filled",
+        "filled",
         lambda self, r: min(r.num_computed + 1, self.kv.num_slots(r.request_id)),
     ),
     # blocks published as held by an EAGLE head when only the target holds them
-    "the target only": ("features", "_publishable", lambda self, r: (r.num_computed,) * 2),
+    "the target only": ("features", "publishable", lambda self, r: (r.num_computed,) * 2),
 }
 
 
@@ -199,7 +200,7 @@ def test_planted_publication_bugs_are_caught(monkeypatch, plant):
         rng = random.Random(seed)
         sched, _, _ = random_mix(rng, draft_input, seed, caching=True)
         with monkeypatch.context() as m:
-            m.setattr(Scheduler, method, planted)
+            m.setattr(DrafterLag, method, planted)
             try:
                 ShadowWorker(sched, rng).run()
             except (AssertionError, RuntimeError):

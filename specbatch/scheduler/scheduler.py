@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import FinishReason, Request, RequestStatus
+from specbatch.scheduler.drafter_lag import DrafterLag, is_prompt_chunk
 from specbatch.scheduler.output import (
     NewRequestData,
     ScheduledRequest,
@@ -76,10 +77,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._known_to_worker: set[str] = set()
         self._forget: list[str] = []
-        self._draft_idle = False  # the last policy call wanted no drafts at all
         self._forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork it
         self._fork_of: dict[str, str] = {}  # a waiting fork -> the request it shares blocks of
         self._sampled_once: set[str] = set()  # fork sources that sampled once, not yet ready
+        self.lag = DrafterLag(kv_cache, self.draft_input)
         self.prefix = PrefixSharing(kv_cache, self.draft_input) if kv_cache.caching else None
         self.num_preemptions = 0
 
@@ -163,7 +164,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            draft_tokens = self._draft_tokens(req, n, end, rid in shapes)
+            draft_tokens = self.lag.draft_tokens(req, n, end, rid in shapes)
             shape = shapes.get(rid, DraftShape())
             out.requests.append(
                 ScheduledRequest(
@@ -194,37 +195,6 @@ class Scheduler:
             banned if sp.min_tokens else [],
             req.grammar.result() if req.grammar is not None else None,
         )
-
-    def _draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
-        """What the drafter's KV cache catches up on this step (see ``draft_input``). A drafter
-        catches up on a request in the steps where it drafts for it, and on prompt chunks with
-        the target unless the policy last wanted no drafts at all: a request that drafts
-        nothing lets it lag, at no draft work; with the prefix cache, while drafts are being
-        made, only within a block, as a block is then published once the drafter holds it too.
-        A request whose EAGLE head has a hole (``PrefixSharing.start``) gets nothing."""
-        if (
-            self.draft_input == "none"
-            or req.drafter_hole
-            or not (
-                drafts
-                or (self._prompt_chunk(req, n) and not self._draft_idle)
-                or self._owes_blocks(req, end)
-            )
-        ):
-            return []
-        if self.draft_input == "features":  # the positions the target processed before
-            return req.token_slice(req.num_draft_computed + 1, req.num_computed + 1)
-        return req.token_slice(req.num_draft_computed, end)
-
-    def _owes_blocks(self, req: Request, end: int) -> bool:
-        """With the prefix cache, while drafts are being made: whether the drafter of a request
-        not ``_detached`` lacks a full block the target holds (after this step, for a draft
-        model; before it, for an EAGLE head, which reads a position's features a step after
-        the target computes them)."""
-        if self.prefix is None or self._draft_idle or self._detached(req):
-            return False
-        reach = req.num_computed if self.draft_input == "features" else end
-        return req.num_draft_computed < reach // self.kv.block_size * self.kv.block_size
 
     def _schedule_running(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         """Slots for every running request's unprocessed tokens; returns how many were preempted."""
@@ -265,11 +235,6 @@ class Scheduler:
         room_out = req.max_output_tokens - len(req.output_token_ids) - 1
         return self.policy.shape.fit(max(0, min(room_len, room_out)))
 
-    @staticmethod
-    def _prompt_chunk(req: Request, n: int) -> bool:
-        """Whether scheduling ``n`` tokens of ``req`` is prefill rather than one decoding step."""
-        return req.num_computed + n < req.num_tokens or n > 1
-
     def _grant_drafts(
         self, chosen: list[tuple[Request, int]], budget: int
     ) -> dict[str, DraftShape]:
@@ -283,7 +248,7 @@ class Scheduler:
             return {}
         shapes: dict[str, DraftShape] = {}
         wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget) + holes)
-        self._draft_idle = not any(w.nodes for w in wants)
+        self.lag.idle = not any(w.nodes for w in wants)
         for req, want in zip(decoding, wants, strict=True):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
@@ -304,7 +269,7 @@ class Scheduler:
     def _prompt_rows(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         """The prompt rows this step's target pass will carry: the chunks of running requests
         and what admitting waiting ones will add (as far as seats and budget allow)."""
-        rows = sum(n for r, n in chosen if self._prompt_chunk(r, n))
+        rows = sum(n for r, n in chosen if is_prompt_chunk(r, n))
         seats = self.limits.max_num_seqs - len(self.running)
         waiting = sum(self._to_compute(r) for r in itertools.islice(self.waiting, max(seats, 0)))
         return rows + min(budget, waiting)
@@ -354,7 +319,7 @@ class Scheduler:
         if source is None or not self.kv.has_table(source.request_id):
             return 0
         bs = self.kv.block_size
-        shared = min(self._filled(source), self._shareable(source)) // bs * bs
+        shared = min(self.lag.filled(source), self._shareable(source)) // bs * bs
         if shared:
             self.kv.fork(req.request_id, source.request_id, shared // bs)
             req.num_computed = req.num_draft_computed = shared
@@ -392,7 +357,7 @@ class Scheduler:
                 req.num_computed = base
                 req.num_draft_computed = min(drafted_into, base)
                 if self.prefix is not None:
-                    self.prefix.publish(req, *self._publishable(req))
+                    self.prefix.publish(req, *self.lag.publishable(req))
                 continue
             r = result.results[sr.request_id]
             if self.draft_input == "tokens" and sr.shape.is_chain:
@@ -422,7 +387,7 @@ class Scheduler:
             if r.grammar_done and req.finish_reason is None:
                 req.finish_reason = FinishReason.STOP  # the structured output is complete
             if self.prefix is not None:  # the accepted tokens are the request's now
-                self.prefix.publish(req, *self._publishable(req))
+                self.prefix.publish(req, *self.lag.publishable(req))
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)
@@ -445,31 +410,8 @@ class Scheduler:
         bs = self.kv.block_size
         return (req.num_prompt_tokens - 1) // bs * bs
 
-    def _filled(self, req: Request) -> int:
-        """Positions both the target's and the drafter's caches hold for ``req``."""
-        if self.draft_input == "none":
-            return req.num_computed
-        return min(req.num_computed, req.num_draft_computed)
-
-    def _publishable(self, req: Request) -> tuple[int, int]:
-        """The positions of ``req`` its published blocks may reach, and those of them its
-        drafter's cache holds. While drafts are being made: what both caches hold, so that a
-        request finding the blocks drafts from them at once. While none are, or once the
-        drafter has fallen behind: what the target holds, so that the drafter need not follow
-        (its cache is marked as it catches up)."""
-        drafted = req.num_computed if self.draft_input == "none" else req.num_draft_computed
-        if self._draft_idle or self._detached(req):
-            return req.num_computed, drafted
-        return self._filled(req), drafted
-
-    def _detached(self, req: Request) -> bool:
-        """Whether the request's drafter lacks a block it has published: published while no
-        drafts were made, or found in the prefix cache held by the target alone."""
-        rid = req.request_id
-        return self.kv.num_drafted_blocks(rid) < self.kv.num_published(rid)
-
     def _ready_to_fork(self, req: Request) -> bool:
-        return self._filled(req) >= self._shareable(req)
+        return self.lag.filled(req) >= self._shareable(req)
 
     def _fork_waiting(self, source: Request) -> None:
         """Queue the requests waiting to fork ``source`` at the front; each shares its
