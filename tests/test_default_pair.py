@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def test_specbatch_greedy_equals_transformers_on_the_shipped_weights():
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.metrics.spec.alpha > 0.4  # a real pair: the draft predicts the target
     assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    # the models, made before the first step, are left out of every later garbage collection
+    model = llm.engine.executor.worker.target.model
+    assert not any(o is model for o in gc.get_objects())
 
 
 def test_generate_without_model_on_the_example_prompts(tmp_path, capsys):

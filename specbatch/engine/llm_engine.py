@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -117,6 +118,10 @@ class LLMEngine:
         # ("output" or "prompt", request id) -> its logprobs converted so far
         self._logprobs: dict[tuple[str, str], list[PositionLogprobDict]] = {}
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
+        # what exists now (models, tokenizer, modules) lives as long as the engine: a full
+        # collection would walk it all again and again, so later collections leave it out
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -17,6 +17,7 @@ Rollback is not done here: the scheduler moves each model's progress counter bac
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -112,6 +113,9 @@ class Worker:
         self.target.allocate_kv_cache(num_blocks, self.config.block_size)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
+        # what exists now lives as long as the worker: no later collection need walk it
+        gc.collect()
+        gc.freeze()
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
