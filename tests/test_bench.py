@@ -13,7 +13,7 @@ import pytest
 
 from specbatch.bench.cells import CellResult, compare_with_plain, crossover
 from specbatch.bench.drafts import Draft
-from specbatch.config import default_model_path
+from specbatch.model.model_pair import default_model_path
 from specbatch.draft_shape import DraftShape
 from specbatch.entrypoints.cli import main
 from specbatch.stats import percentile

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specbatch import LLM, EngineArgs, SamplingParams
-from specbatch.config import default_model_path
+from specbatch.model.model_pair import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.model.eagle import detect_layout
 from specbatch.speculative_config import SpeculativeConfig

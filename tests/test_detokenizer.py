@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from specbatch.config import default_model_path
+from specbatch.model.model_pair import default_model_path
 from specbatch.detokenizer import IncrementalDetokenizer
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams

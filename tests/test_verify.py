@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy import stats as sps
 
-from specbatch.config import default_model_path
+from specbatch.model.model_pair import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.errors import InvalidInputError
 from specbatch.exactness import format_report, verify_exactness
