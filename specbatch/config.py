@@ -30,9 +30,6 @@ from specbatch.speculative_config import (
 if TYPE_CHECKING:
     from specbatch.model.checkpoint import ModelConfig
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # fmt: off
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
                "T": 1e12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -77,9 +74,9 @@ class EngineArgs:
         "model's)", type=Path, metavar="DIR")
     dtype: str = option("auto", "weights and activations dtype; auto takes the checkpoint's (on "
         "a CPU: bfloat16 for 16-bit checkpoints where the CPU multiplies it natively, else "
-        "float32)", choices=DTYPES)
+        "float32)", choices=("auto", "float32", "bfloat16", "float16"))
     seed: int = option(0, "engine seed (see the command's help for how requests use it)", ge=0)
-    device: str = option("auto", "where to run", choices=DEVICES)
+    device: str = option("auto", "where to run", choices=("auto", "cpu", "cuda"))
     block_size: int = option(16, "tokens per KV-cache block", ge=1)
     num_kv_blocks: int | None = option(None, "number of KV-cache blocks (overrides "
         "--kv-cache-memory)", type=int, ge=1)
@@ -89,19 +86,13 @@ class EngineArgs:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use",
         gt=0, le=1, metavar="F")
     max_num_seqs: int = option(256, "most requests in one batch", ge=1)
-    max_num_batched_tokens: int | None = option(None, "most tokens in one step (default "
-        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})", type=int, ge=1)
+    max_num_batched_tokens: int = option(2048, "most tokens in one step", ge=1)
     max_model_len: int | None = option(None, "most tokens (prompt + output) of one request "
         "(default: the models' context length)", type=int, ge=2)
     tensor_parallel_size: int = option(1, "target model shards (GPUs)", ge=1)
-    data_parallel_size: int = option(
-        1,
-        "engine replicas, each a Ray actor with its own tensor-parallel group, spread over the "
-        "Ray cluster's nodes; requests go to whichever has room (generate) or the least "
-        "outstanding tokens (serve)",
-        ge=1,
-        metavar="N",
-    )
+    data_parallel_size: int = option(1, "engine replicas, each a Ray actor with its own "
+        "tensor-parallel group, spread over the Ray cluster's nodes; requests go to whichever "
+        "has room (generate) or the least outstanding tokens (serve)", ge=1, metavar="N")
     draft_tensor_parallel_size: int = shorthand("draft_tensor_parallel_size")
     distributed_executor_backend: str | None = option(None, "uni (one process) or ray (default: "
         "ray when tensor-parallel)", type=str, choices=("uni", "ray"))
@@ -154,8 +145,7 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the models' context length {limit}",
                 "max_model_len",
             )
-        batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        room = max(spec.depth, spec.shape.lookahead) + 1
+        batched, room = self.max_num_batched_tokens, max(spec.depth, spec.shape.lookahead) + 1
         if batched < room:
             raise InvalidInputError(
                 f"max_num_batched_tokens must be an integer >= {room}, got {batched}",
@@ -182,7 +172,6 @@ class EngineArgs:
             "speculative_config": spec,
             "device": device,
             "kv_cache_memory": self.kv_bytes,
-            "max_num_batched_tokens": batched,
             "max_model_len": max_model_len,
             "distributed_executor_backend": backend,
             "ray_address": self.ray_address or os.environ.get("RAY_ADDRESS"),
