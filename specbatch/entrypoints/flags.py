@@ -104,6 +104,6 @@ def values_of(ns: argparse.Namespace, cls: Any) -> dict[str, Any]:
     return {n: getattr(ns, n) for n, opt, _ in options_of(cls) if opt.flag and hasattr(ns, n)}
 
 
-def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """``EngineArgs`` from the parsed flags (fields without a flag keep their defaults)."""
-    return EngineArgs(**{**values_of(ns, EngineArgs), **overrides})
+    return EngineArgs(**values_of(ns, EngineArgs))
