@@ -145,7 +145,8 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the models' context length {limit}",
                 "max_model_len",
             )
-        batched, room = self.max_num_batched_tokens, max(spec.depth, spec.shape.lookahead) + 1
+        batched = self.max_num_batched_tokens
+        room = max(spec.depth, spec.shape.lookahead) + 1
         if batched < room:
             raise InvalidInputError(
                 f"max_num_batched_tokens must be an integer >= {room}, got {batched}",
