@@ -34,8 +34,8 @@ from specbatch.bench.engines import share_weights
 from specbatch.bench.offline import WARMUP_REQUESTS, WARMUP_TOKENS
 from specbatch.bench.workload import build_workload, shared_prefix, with_shared_prefix
 from specbatch.config import EngineArgs
-from specbatch.model.model_pair import default_model_path
 from specbatch.engine.llm_engine import LLMEngine
+from specbatch.model.model_pair import default_model_path
 
 BUILT_IN = {
     "eagle3 head": {"method": "eagle3", "num_speculative_tokens": 3},
