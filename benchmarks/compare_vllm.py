@@ -96,7 +96,7 @@ class Worker:
 
 def heldout_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     from specbatch.bench.workload import heldout_token_stream
-    from specbatch.config import default_model_path
+    from specbatch.model.model_pair import default_model_path
     from specbatch.tokenizer import load_tokenizer
 
     stream, _ = heldout_token_stream(load_tokenizer(default_model_path("target")))
@@ -107,7 +107,7 @@ def heldout_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def run_config(
     args: argparse.Namespace, dtype: str, method: str, prompts: list[list[int]]
 ) -> list[dict]:
-    from specbatch.config import default_model_path
+    from specbatch.model.model_pair import default_model_path
 
     draft = default_model_path("eagle" if method.startswith("eagle") else "draft")
     common = ["--target", default_model_path("target"), "--draft", draft,

@@ -51,7 +51,7 @@ def write_prompts(path: Path, n: int, input_len: int, seed: int) -> Path:
     import random
 
     from specbatch.bench.workload import heldout_token_stream
-    from specbatch.config import default_model_path
+    from specbatch.model.model_pair import default_model_path
     from specbatch.tokenizer import load_tokenizer
 
     stream, _ = heldout_token_stream(load_tokenizer(default_model_path("target")))

@@ -33,8 +33,9 @@ from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
 from specbatch.bench.engines import share_weights
 from specbatch.bench.offline import WARMUP_REQUESTS, WARMUP_TOKENS
 from specbatch.bench.workload import build_workload, shared_prefix, with_shared_prefix
-from specbatch.config import EngineArgs, default_model_path
+from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine
+from specbatch.model.model_pair import default_model_path
 
 BUILT_IN = {
     "eagle3 head": {"method": "eagle3", "num_speculative_tokens": 3},

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)
 
     from specbatch.bench.workload import heldout_token_stream
-    from specbatch.config import default_model_path
+    from specbatch.model.model_pair import default_model_path
     from specbatch.tokenizer import load_tokenizer
 
     stream, _ = heldout_token_stream(load_tokenizer(default_model_path("target")))

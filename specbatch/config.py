@@ -1,6 +1,6 @@
 """The engine's arguments, each declared once (type, default, limits, help) and checked when the
-arguments are made, and the frozen ``EngineConfig`` they resolve to: the checkpoints read once
-(``model/checkpoint.py``), the drafter chosen, the limits between arguments checked.
+arguments are made, and the frozen ``EngineConfig`` they resolve to: the checkpoints as
+``model/model_pair.py`` read them, the draft length settled, the limits between arguments checked.
 
 ``LLM(...)``, the command line's engine flags and the server all take ``EngineArgs``; every error
 is an ``InvalidInputError`` naming the argument and the limit.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specbatch.drafters import DRAFTERS
+from specbatch.drafters import DrafterKind
 from specbatch.errors import InvalidInputError
 from specbatch.options import check_options, option
 from specbatch.speculative_config import (
@@ -26,15 +26,10 @@ from specbatch.speculative_config import (
     normalise,
     shorthand,
 )
-from specbatch.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from specbatch.model.checkpoint import ModelConfig
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when no budget is given on CPU
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # fmt: off
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
                "T": 1e12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -79,9 +74,9 @@ class EngineArgs:
         "model's)", type=Path, metavar="DIR")
     dtype: str = option("auto", "weights and activations dtype; auto takes the checkpoint's (on "
         "a CPU: bfloat16 for 16-bit checkpoints where the CPU multiplies it natively, else "
-        "float32)", choices=DTYPES)
+        "float32)", choices=("auto", "float32", "bfloat16", "float16"))
     seed: int = option(0, "engine seed (see the command's help for how requests use it)", ge=0)
-    device: str = option("auto", "where to run", choices=DEVICES)
+    device: str = option("auto", "where to run", choices=("auto", "cpu", "cuda"))
     block_size: int = option(16, "tokens per KV-cache block", ge=1)
     num_kv_blocks: int | None = option(None, "number of KV-cache blocks (overrides "
         "--kv-cache-memory)", type=int, ge=1)
@@ -91,19 +86,13 @@ class EngineArgs:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use",
         gt=0, le=1, metavar="F")
     max_num_seqs: int = option(256, "most requests in one batch", ge=1)
-    max_num_batched_tokens: int | None = option(None, "most tokens in one step (default "
-        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})", type=int, ge=1)
+    max_num_batched_tokens: int = option(2048, "most tokens in one step", ge=1)
     max_model_len: int | None = option(None, "most tokens (prompt + output) of one request "
         "(default: the models' context length)", type=int, ge=2)
     tensor_parallel_size: int = option(1, "target model shards (GPUs)", ge=1)
-    data_parallel_size: int = option(
-        1,
-        "engine replicas, each a Ray actor with its own tensor-parallel group, spread over the "
-        "Ray cluster's nodes; requests go to whichever has room (generate) or the least "
-        "outstanding tokens (serve)",
-        ge=1,
-        metavar="N",
-    )
+    data_parallel_size: int = option(1, "engine replicas, each a Ray actor with its own "
+        "tensor-parallel group, spread over the Ray cluster's nodes; requests go to whichever "
+        "has room (generate) or the least outstanding tokens (serve)", ge=1, metavar="N")
     draft_tensor_parallel_size: int = shorthand("draft_tensor_parallel_size")
     distributed_executor_backend: str | None = option(None, "uni (one process) or ray (default: "
         "ray when tensor-parallel)", type=str, choices=("uni", "ray"))
@@ -136,14 +125,17 @@ class EngineArgs:
         )
 
     def create_engine_config(self) -> EngineConfig:
-        from specbatch.model.checkpoint import read_checkpoint
+        from specbatch.model import model_pair
 
-        device = resolve_device(self.device)
-        path = self.model or default_model_path("target")
-        target = read_checkpoint(path, "model", self.tokenizer, self.dtype, device)
-        if self.batch_invariant:
-            target = dataclasses.replace(target, kernels_required=True)
-        spec, draft = self._drafter(target, device)
+        device = model_pair.resolve_device(self.device)
+        target = model_pair.read_target(
+            self.model, self.tokenizer, self.dtype, device, self.batch_invariant
+        )
+        field = "draft_model" if self.speculative_config is None else "speculative_config.model"
+        kind, path, draft = model_pair.read_drafter(
+            self.speculative, target, self.model is None, field
+        )
+        spec = self._resolve(kind, path, draft is not None)
         limit = target.context_length
         if draft is not None and draft.context_length:
             limit = min(limit, draft.context_length) if limit else draft.context_length
@@ -153,72 +145,47 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the models' context length {limit}",
                 "max_model_len",
             )
-        batched = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        batched = self.max_num_batched_tokens
         room = max(spec.depth, spec.shape.lookahead) + 1
         if batched < room:
             raise InvalidInputError(
                 f"max_num_batched_tokens must be an integer >= {room}, got {batched}",
                 "max_num_batched_tokens",
             )
-        tp = self.tensor_parallel_size
-        self._check_parallel(target, draft, spec, tp)
+        tp, draft_tp = self.tensor_parallel_size, spec.draft_tensor_parallel_size
+        if draft_tp not in (1, tp):
+            raise InvalidInputError(
+                f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}",
+                "draft_tensor_parallel_size",
+            )
+        model_pair.check_split(target, draft, tp, draft_tp)
         backend = self.distributed_executor_backend or ("ray" if tp > 1 else "uni")
         if backend == "uni" and tp > 1:
             raise InvalidInputError(
                 "tensor_parallel_size > 1 needs distributed_executor_backend='ray'",
                 "tensor_parallel_size",
             )
-        kv_bytes = self.kv_bytes
-        if kv_bytes is None and self.num_kv_blocks is None and device == "cpu":
-            kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY
         if self.batch_invariant:
             self._check_batch_invariant(device, spec)
-        return EngineConfig(
-            target=target,
-            draft=draft,
-            speculative_config=spec,
-            device=device,
-            kv_cache_memory=kv_bytes,
-            max_num_batched_tokens=batched,
-            max_model_len=max_model_len,
-            distributed_executor_backend=backend,
-            ray_address=self.ray_address or os.environ.get("RAY_ADDRESS"),
-            **{name: getattr(self, name) for name in _AS_GIVEN},
-        )
+        resolved = {
+            "target": target,
+            "draft": draft,
+            "speculative_config": spec,
+            "device": device,
+            "kv_cache_memory": self.kv_bytes,
+            "max_model_len": max_model_len,
+            "distributed_executor_backend": backend,
+            "ray_address": self.ray_address or os.environ.get("RAY_ADDRESS"),
+        }
+        given = {f.name for f in dataclasses.fields(EngineConfig)} - set(resolved)
+        return EngineConfig(**resolved, **{name: getattr(self, name) for name in given})
 
-    def _drafter(
-        self, target: ModelConfig, device: str
-    ) -> tuple[SpeculativeConfig, ModelConfig | None]:
-        """The drafter's checkpoint read, and the speculative config resolved: the built-in
-        target's own drafter by default, the default draft length, no method without one."""
-        from specbatch.model.checkpoint import read_checkpoint
-        from specbatch.model.eagle import read_eagle_head
-
+    def _resolve(self, kind: DrafterKind, path: str | None, has_draft: bool) -> SpeculativeConfig:
+        """The speculative config as the engine runs it: the default draft length, no method
+        without one."""
         spec = self.speculative
-        method, path, k = spec.method, spec.model, spec.num_speculative_tokens
-        asked = self.speculative_config is not None
-        kind = DRAFTERS.get(method or "eagle")  # no method named: the built-in target's head
-        if path is None and kind.needs_model and k != 0 and self.model is None:
-            # The built-in target speculates by default, with its EAGLE head (its draft model
-            # when speculative_config asks for that method); either EAGLE name picks the head.
-            builtin_draft = method == "draft_model" and asked
-            path = default_model_path("draft" if builtin_draft else "eagle")
-            kind = kind if builtin_draft else DRAFTERS["eagle"]
-        elif path is None and kind.needs_model and asked:
-            raise InvalidInputError(
-                f"speculative_config.model: the {method} method needs a model (only the "
-                "built-in target has its own)",
-                "speculative_config.model",
-            )
-        draft = None
-        if path is not None and kind.reads_features:  # an EAGLE head, read as its method says
-            draft = read_eagle_head(path, spec.method if spec.model else None, target)
-            kind = DRAFTERS["eagle"]
-        elif path is not None:
-            field = "speculative_config.model" if asked else "draft_model"
-            draft = read_checkpoint(path, field, None, self.dtype, device)
-            check_same_vocabulary(target, draft)
-        if k is None and (draft is not None or not kind.needs_model):
+        k = spec.num_speculative_tokens
+        if k is None and (has_draft or not kind.needs_model):
             # by default the controller decides (it drafts only where drafting pays); batch
             # invariance needs draft lengths that do not depend on the batch
             k = DEFAULT_NUM_SPECULATIVE_TOKENS if self.batch_invariant else "auto"
@@ -231,33 +198,13 @@ class EngineArgs:
                 f"{depth - 1}",
                 "speculative_config.topk",
             )
-        if depth > 0 and draft is None and kind.needs_model:
+        if depth > 0 and not has_draft and kind.needs_model:
             raise InvalidInputError(
                 f"num_speculative_tokens={depth} needs a draft model (draft_model is not set)",
                 "num_speculative_tokens",
             )
         method, k = (kind.method, k) if depth > 0 else (None, 0)
-        return dataclasses.replace(spec, method=method, model=path, num_speculative_tokens=k), draft
-
-    def _check_parallel(
-        self, target: ModelConfig, draft: ModelConfig | None, spec: SpeculativeConfig, tp: int
-    ) -> None:
-        from specbatch.model.checkpoint import check_tensor_parallel
-
-        check_tensor_parallel(target.hf_config, tp, "model")
-        draft_tp = spec.draft_tensor_parallel_size
-        if draft_tp not in (1, tp):
-            raise InvalidInputError(
-                f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}",
-                "draft_tensor_parallel_size",
-            )
-        if draft is not None and draft.layout is not None and draft_tp != 1:
-            raise InvalidInputError(
-                "draft_tensor_parallel_size: an EAGLE head runs replicated on every rank (1)",
-                "draft_tensor_parallel_size",
-            )
-        if draft is not None and draft.layout is None:
-            check_tensor_parallel(draft.hf_config, draft_tp, draft.field)
+        return dataclasses.replace(spec, method=method, model=path, num_speculative_tokens=k)
 
     def _check_batch_invariant(self, device: str, spec: SpeculativeConfig) -> None:
         """batch_invariant needs every op of a step to sum in an order that does not depend on
@@ -274,22 +221,6 @@ class EngineArgs:
         ):  # fmt: skip
             if broken:
                 raise InvalidInputError(f"batch_invariant {why}", "batch_invariant")
-
-
-# Arguments the engine's configuration keeps as they were given.
-_AS_GIVEN = (
-    "seed",
-    "block_size",
-    "num_kv_blocks",
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "tensor_parallel_size",
-    "data_parallel_size",
-    "attention_backend",
-    "batch_invariant",
-    "logprobs_mode",
-    "enable_prefix_caching",
-)
 
 
 @dataclass(frozen=True)
@@ -317,47 +248,3 @@ class EngineConfig:
     batch_invariant: bool
     logprobs_mode: str
     enable_prefix_caching: bool
-
-
-def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
-    """The draft must propose ids that mean the same tokens to the target."""
-    if target.vocab_size != draft.vocab_size:
-        raise InvalidInputError(
-            f"draft_model: vocab_size {draft.vocab_size} differs from the target's "
-            f"{target.vocab_size}; the draft must share the target's vocabulary",
-            "draft_model",
-        )
-    if target.tokenizer_path and draft.tokenizer_path:
-        a = load_tokenizer(target.tokenizer_path).get_vocab()
-        b = load_tokenizer(draft.tokenizer_path).get_vocab()
-        if a != b:
-            differ = sorted(set(a.items()) ^ set(b.items()))[:3]
-            raise InvalidInputError(
-                "draft_model: its tokenizer maps tokens to ids differently from the target's "
-                f"(e.g. {differ}); the draft must share the target's vocabulary",
-                "draft_model",
-            )
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError(
-            "device: 'cuda' was asked for but no CUDA device is available", "device"
-        )
-    return device
-
-
-def default_model_path(which: str) -> str:
-    """The built-in models shipped inside the package: 'target', 'draft' or 'eagle'."""
-    path = Path(__file__).parent / "assets" / "default_pair" / which
-    if not (path / "config.json").exists():
-        raise InvalidInputError(
-            "model: no model was given and the built-in model pair is not installed "
-            f"(looked in {path}); pass --model DIR",
-            "model",
-        )
-    return str(path)

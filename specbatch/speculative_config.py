@@ -24,7 +24,7 @@ from typing import Any
 from specbatch.draft_shape import DraftShape
 from specbatch.drafters import DRAFTERS
 from specbatch.errors import InvalidInputError
-from specbatch.options import check_options, option, options_of, same_as
+from specbatch.options import check_options, check_value, declared, option, options_of, same_as
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with batch_invariant, when no draft length is given
 MAX_TREE_NODES = 63
@@ -89,6 +89,7 @@ SHORTHANDS = {
 }
 _SHORTHAND_OF = {field: name for name, field in SHORTHANDS.items()}
 _DEFAULTS = {name: default for name, _, default in options_of(SpeculativeConfig)}
+_METHOD = declared(SpeculativeConfig, "method")
 
 
 def shorthand(name: str, help: str | None = None) -> Any:
@@ -113,13 +114,9 @@ def normalise(value: Mapping[str, Any] | str | None, **shorthands: Any) -> Specu
         )
     keys = _as_dict(value)
     check_options(SpeculativeConfig, keys, "speculative_config.")
-    if "model" in keys:
+    if "model" in keys:  # a model implies its method; else the method must be named
         keys.setdefault("method", "draft_model")
-    if keys.get("method") is None:
-        raise InvalidInputError(
-            "speculative_config.method must be one of " + ", ".join(DRAFTERS) + ", got None",
-            "speculative_config.method",
-        )
+    check_value("speculative_config.method", keys.get("method"), _METHOD)
     return _related(keys, lambda key: f"speculative_config.{key}")
 
 

@@ -22,7 +22,7 @@ N_REQUESTS = 64
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     from specbatch.bench.workload import heldout_token_stream
-    from specbatch.config import default_model_path
+    from specbatch.model.model_pair import default_model_path
     from specbatch.tokenizer import load_tokenizer
 
     stream, _ = heldout_token_stream(load_tokenizer(default_model_path("target")))

@@ -13,9 +13,9 @@ import pytest
 
 from specbatch.bench.cells import CellResult, compare_with_plain, crossover
 from specbatch.bench.drafts import Draft
-from specbatch.config import default_model_path
 from specbatch.draft_shape import DraftShape
 from specbatch.entrypoints.cli import main
+from specbatch.model.model_pair import default_model_path
 from specbatch.stats import percentile
 from specbatch.theory import expected_tokens_per_round, predicted_speedup
 

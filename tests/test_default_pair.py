@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from specbatch import LLM, EngineArgs, SamplingParams
-from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.model.eagle import detect_layout
+from specbatch.model.model_pair import default_model_path
 from specbatch.speculative_config import SpeculativeConfig
 from specbatch.tokenizer import load_tokenizer
 from tests.helpers import assert_full_vocab_head_has_no_d2t, hf_greedy

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from specbatch.config import default_model_path
 from specbatch.detokenizer import IncrementalDetokenizer
+from specbatch.model.model_pair import default_model_path
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.stop_checker import StopChecker

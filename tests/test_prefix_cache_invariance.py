@@ -22,7 +22,7 @@ def shared_prefix_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Prompts on three prefixes (two full blocks and a part, one block, one block and a
     part), each with its own suffix; every fourth one repeats an earlier prompt whole."""
     from specbatch.bench.workload import heldout_token_stream
-    from specbatch.config import default_model_path
+    from specbatch.model.model_pair import default_model_path
     from specbatch.tokenizer import load_tokenizer
 
     stream, _ = heldout_token_stream(load_tokenizer(default_model_path("target")))

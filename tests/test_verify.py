@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy import stats as sps
 
-from specbatch.config import default_model_path
 from specbatch.entrypoints.cli import main
 from specbatch.errors import InvalidInputError
 from specbatch.exactness import format_report, verify_exactness
 from specbatch.exactness_report import TARGET_TV, USEFUL_TV
+from specbatch.model.model_pair import default_model_path
 from specbatch.sequence_stats import samples_for
 from specbatch.testing.checkpoints import make_random_checkpoint
 from specbatch.worker import rejection_sampler

@@ -7,16 +7,26 @@ traceback. Ctrl-C exits with status 130, SIGTERM (handled the same way) with 143
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from specbatch import __version__
 from specbatch.entrypoints import bench, bench_serve, generate, serve, verify
-from specbatch.entrypoints.flags import CliParser, flag
+from specbatch.entrypoints.flags import flag
 from specbatch.entrypoints.signals import exit_status, sigterm_as_interrupt, what_happened
 from specbatch.errors import EngineError, InvalidInputError
 
 EXIT_USAGE = 2
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors read ``error: <message>`` (after the usage), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"error: {message}\n")
 
 
 def build_parser() -> CliParser:

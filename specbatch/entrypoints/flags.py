@@ -10,24 +10,15 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from specbatch.config import EngineArgs
 from specbatch.options import Option, options_of
 from specbatch.sampling_params import SamplingParams
 
 METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH", object: "TEXT"}
-
-
-class CliParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors read ``error: <message>`` (after the usage), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"error: {message}\n")
 
 
 def flag(field: str) -> str:
@@ -47,22 +38,18 @@ def token_ids_arg(value: str) -> list[int]:
         ) from None
 
 
-def _parser(opt: Option) -> Callable[[str], Any] | None:
+def _parser(opt: Option) -> Callable[[str], Any]:
     """A flag's text as the option's type; its words (``auto``) pass as they are."""
     kind = str if opt.type in (object, Path) else opt.type
     if not opt.also:
         return kind
 
     def parse(text: str) -> Any:
-        if text in opt.also:
-            return text
         try:
-            return kind(text)
-        except ValueError:
-            words = "".join(f" or {w!r}" for w in opt.also)
-            raise argparse.ArgumentTypeError(
-                f"expected {Option('', opt.type).expected()}{words}, got {text!r}"
-            ) from None
+            return text if text in opt.also else kind(text)
+        except ValueError:  # the wrong type (the limit is checked with the value)
+            expected = Option("", opt.type, also=opt.also).expected()
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
 
     return parse
 
@@ -84,12 +71,9 @@ def add_options(
             continue
         default, text = defaults.get(name, default), helps.get(name, opt.help)
         if opt.type is bool:  # a switch: present or not; --no-NAME when it is on by default
-            if default:
-                on = argparse.BooleanOptionalAction
-                group.add_argument(flag(name), dest=name, default=True, action=on,
-                                   help=f"{text} (default: on)")  # fmt: skip
-            else:
-                group.add_argument(flag(name), dest=name, action="store_true", help=text)
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            on = f"{text} (default: on)" if default else text
+            group.add_argument(flag(name), dest=name, default=default, action=action, help=on)
             continue
         shown = [f"default: {default}"] if default is not None else []
         shown += [opt.limit] if opt.limit and not opt.choices else []
@@ -120,6 +104,6 @@ def values_of(ns: argparse.Namespace, cls: Any) -> dict[str, Any]:
     return {n: getattr(ns, n) for n, opt, _ in options_of(cls) if opt.flag and hasattr(ns, n)}
 
 
-def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """``EngineArgs`` from the parsed flags (fields without a flag keep their defaults)."""
-    return EngineArgs(**{**values_of(ns, EngineArgs), **overrides})
+    return EngineArgs(**values_of(ns, EngineArgs))

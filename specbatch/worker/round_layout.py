@@ -94,7 +94,6 @@ class RoundLayout:
         verified_rows = (root_row[:, None] + node_range[None, :])[valid]
         first_verified = list(itertools.accumulate([n + 1 for n in counts], initial=0))[:-1]
         row_request = torch.arange(len(sampling), device=device)[:, None].expand_as(valid)[valid]
-        node_of_row = node_range[None, :].expand_as(valid)[valid]
         if width and any(counts):
             node_valid = valid[:, 1:]
             node_rows = (root_row[:, None] + node_range[None, 1:])[node_valid]
@@ -106,7 +105,6 @@ class RoundLayout:
         paths = path_tokens(proposal.tokens, topo.path)  # [S, N+1, D]
         path_of_row = paths[valid] if paths.shape[2] else paths.new_zeros(int(valid.sum()), 0)
         path_len = topo.depth[valid]
-        del node_of_row
 
         tables = [r.block_table for r in requests]
         w = max(map(len, tables), default=1) or 1

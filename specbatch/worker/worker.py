@@ -47,6 +47,7 @@ from specbatch.worker.sampler import SamplingTensors, logits_to_probs
 from specbatch.worker.tree_verify import verify_tree
 
 GRAMMARS_KEPT = 512  # compiled grammars a worker keeps
+CPU_KV_CACHE_MEMORY = 1 << 30  # a CPU rank's KV budget when none is given
 
 
 @dataclass
@@ -106,6 +107,8 @@ class Worker:
             return 0
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
+        if self.device.type == "cpu":
+            return CPU_KV_CACHE_MEMORY
         free, _total = torch.cuda.mem_get_info(self.device)
         return int(free * self.config.gpu_memory_utilization)
 

@@ -113,10 +113,6 @@ SB_INLINE void tile_f32(int tm, int mr, int np, int K, const float* x, long ldx,
         kernel_f32(MR, NP, mr, np, K, x, ldx, w, pstride, n_left, bias, y, ldy, pf);
 }
 
-/* gemm_tall.c */
-void sb_linear_tall(int M, int N, int K, const void* x, long ldx, const void* wp, int w_bf16,
-                    const void* bias, void* y, long ldy, int y_bf16);
-
 void sb_linear_f32(int M, int N, int K, const float* x, long ldx, const float* wp,
                    const float* bias, float* y, long ldy) {
     if (M > MR) {

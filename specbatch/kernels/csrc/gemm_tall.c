@@ -17,6 +17,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define NR 16
 #if SB_WIDE

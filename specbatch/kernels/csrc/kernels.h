@@ -1,5 +1,5 @@
 /* The functions the kernels' C files export: module.c calls them from Python, gemm.c calls the
- * AMX path. Every C file includes this header, so that a definition that drifts from its
+ * AMX path and the tall tiles. Every C file includes this header, so that a definition that drifts from its
  * declaration does not compile. Pointers are to float32, bfloat16 (uint16_t) or, with a `bf16`
  * flag, either; leading dimensions (ld*) are in elements. */
 #ifndef SPECBATCH_KERNELS_H
@@ -14,6 +14,11 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
                     const uint16_t* bias, void* y, long ldy, int y_f32);
 int sb_has_bf16_dot(void);
 void sb_set_amx(int on);
+
+/* gemm_tall.c: gemm.c's multiplies of more than four rows (w_bf16: x, weights and bias in
+ * bfloat16; y_bf16: y) */
+void sb_linear_tall(int M, int N, int K, const void* x, long ldx, const void* wp, int w_bf16,
+                    const void* bias, void* y, long ldy, int y_bf16);
 
 /* gemm_amx.c */
 int sb_amx_available(void);
