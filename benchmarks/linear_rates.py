@@ -1,7 +1,8 @@
 """The best multiply rate at a model's own shapes, for ``step_profile.py``: each shape's weight
 repeated once per layer (each copy its own memory, so they stream from memory as in a forward;
-the LM head once), timed through torch's ``F.linear`` and through specbatch's kernel, the faster
-kept."""
+the LM head once), timed through torch's ``F.linear``, through oneDNN on a weight reordered for
+the row count (what torch's inductor and vLLM's CPU build run) and through specbatch's kernel,
+the fastest kept."""
 
 from __future__ import annotations
 
@@ -41,12 +42,16 @@ def _seconds(fn: Any, x: torch.Tensor, weights: list[Any], repeat: int) -> float
     return best
 
 
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
 def best_rates(
     shapes: dict[Shape, int], rows: int, dtype: torch.dtype, repeat: int = 3
 ) -> dict[Shape, dict[str, float]]:
-    """GFLOP/s at ``rows`` rows for each shape: ``torch`` (F.linear), ``kernel`` (specbatch's,
-    where it takes the dtype) and ``best``, each the fastest of ``repeat`` passes over the
-    shape's weights."""
+    """GFLOP/s at ``rows`` rows for each shape: ``torch`` (F.linear), ``onednn`` (where torch
+    has it), ``kernel`` (specbatch's, where it takes the dtype) and ``best``, each the fastest
+    of ``repeat`` passes over the shape's weights."""
     from specbatch.kernels.cpu import cpu_kernels
 
     kernels = cpu_kernels()
@@ -57,6 +62,10 @@ def best_rates(
         x = torch.randn(rows, k, generator=gen).to(dtype)
         gflop = 2.0 * n * k * rows * count / 1e9
         rates = {"torch": gflop / _seconds(torch.nn.functional.linear, x, ws, repeat)}
+        if torch.backends.mkldnn.is_available():
+            reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
+            rates["onednn"] = gflop / _seconds(_onednn_linear, x, reordered, repeat)
+            del reordered
         if kernels is not None and kernels.supports_linear(dtype):
             packed = [kernels.pack_linear(w) for w in ws]
             del ws

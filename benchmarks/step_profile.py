@@ -6,10 +6,10 @@ For each batch size and draft length, B requests of the built-in pair or of --mo
 ``--steps`` steps are timed with light wrappers around the engine's functions (about a
 microsecond a call): "worker" is the worker's own Python between them, "inputs" building the
 forward's inputs. The multiplies are also split by weight shape (the LM head on its own), each
-shape's rate set beside the best rate (torch's F.linear or the kernel's, on a weight per layer)
-measured in the same run at its shape, rows and dtype. "bound": the step's multiplies at those
-best rates, as a share of the step; "multiplies at best rate": the same over the multiplies'
-own time.
+shape's rate set beside the best rate (torch's F.linear, oneDNN's or the kernel's, on a weight
+per layer) measured in the same run at its shape, rows and dtype. "bound": the step's
+multiplies at those best rates, as a share of the step; "multiplies at best rate": the same
+over the multiplies' own time.
 
     python benchmarks/step_profile.py [--model FILE.gguf|DIR] [--batch-sizes 1 8 64] \
         [--draft-lengths 0 2] [--steps 40] [--dtype float32] [--out bench_results/step_profile.json]
@@ -168,6 +168,7 @@ def shape_rows(clock: Clock, steps: int, hf_config: Any, dtype: str) -> list[dic
                 "gflops": flops / seconds / 1e9,
                 "best_gflops": best["best"],
                 "torch_gflops": best["torch"],
+                "onednn_gflops": best.get("onednn"),
                 "kernel_gflops": best.get("kernel"),
                 "best_ms_per_step": flops / (best["best"] * 1e9) / steps * 1e3,
             }
@@ -222,16 +223,16 @@ def profile_cell(
     }
 
 
-SHAPE_HEADERS = ["weight N x K", "rows", "calls", "ms a step", "GFLOP/s", "torch GFLOP/s",
-                 "kernel GFLOP/s", "share of best"]  # fmt: skip
+SHAPE_HEADERS = ["weight N x K", "rows", "calls", "ms a step", "GFLOP/s", "F.linear GFLOP/s",
+                 "oneDNN GFLOP/s", "kernel GFLOP/s", "share of best"]  # fmt: skip
 
 
 def shape_row(s: dict, step_ms: float) -> list[str]:
     name = f"{s['shape'][0]} x {s['shape'][1]}" + (" (LM head)" if s["lm_head"] else "")
-    kernel = s["kernel_gflops"]
+    rates = (s["torch_gflops"], s["onednn_gflops"], s["kernel_gflops"])
     return [name, str(s["rows"]), f"{s['calls_per_step']:.0f}",
             f"{s['ms_per_step']:.2f} ({s['ms_per_step'] / step_ms:.0%})", f"{s['gflops']:.1f}",
-            f"{s['torch_gflops']:.1f}", "-" if kernel is None else f"{kernel:.1f}",
+            *("-" if r is None else f"{r:.1f}" for r in rates),
             f"{s['gflops'] / s['best_gflops']:.0%}"]  # fmt: skip
 
 
