@@ -7,6 +7,7 @@ the fastest kept."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,15 +31,17 @@ def model_shapes(hf_config: Any) -> dict[Shape, int]:
     return shapes
 
 
-def _seconds(fn: Any, x: torch.Tensor, weights: list[Any], repeat: int) -> float:
+def _seconds(
+    fn: Any, x: torch.Tensor, weights: list[Any], repeat: int, clock: Callable[[], float]
+) -> float:
     """The fastest of ``repeat`` passes of ``fn(x, w)`` over the weights (after one more)."""
     best = float("inf")
     for r in range(repeat + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         for w in weights:
             fn(x, w)
         if r:
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
     return best
 
 
@@ -47,11 +50,15 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def best_rates(
-    shapes: dict[Shape, int], rows: int, dtype: torch.dtype, repeat: int = 3
+    shapes: dict[Shape, int],
+    rows: int,
+    dtype: torch.dtype,
+    repeat: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[Shape, dict[str, float]]:
     """GFLOP/s at ``rows`` rows for each shape: ``torch`` (F.linear), ``onednn`` (where torch
     has it), ``kernel`` (specbatch's, where it takes the dtype) and ``best``, each the fastest
-    of ``repeat`` passes over the shape's weights."""
+    of ``repeat`` passes over the shape's weights, on ``clock``."""
     from specbatch.kernels.cpu import cpu_kernels
 
     kernels = cpu_kernels()
@@ -61,15 +68,15 @@ def best_rates(
         ws = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(count)]
         x = torch.randn(rows, k, generator=gen).to(dtype)
         gflop = 2.0 * n * k * rows * count / 1e9
-        rates = {"torch": gflop / _seconds(torch.nn.functional.linear, x, ws, repeat)}
+        rates = {"torch": gflop / _seconds(torch.nn.functional.linear, x, ws, repeat, clock)}
         if torch.backends.mkldnn.is_available():
             reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
-            rates["onednn"] = gflop / _seconds(_onednn_linear, x, reordered, repeat)
+            rates["onednn"] = gflop / _seconds(_onednn_linear, x, reordered, repeat, clock)
             del reordered
         if kernels is not None and kernels.supports_linear(dtype):
             packed = [kernels.pack_linear(w) for w in ws]
             del ws
-            rates["kernel"] = gflop / _seconds(kernels.linear, x, packed, repeat)
+            rates["kernel"] = gflop / _seconds(kernels.linear, x, packed, repeat, clock)
             del packed
         rates["best"] = max(rates.values())
         out[(n, k)] = rates

@@ -156,7 +156,8 @@ def shape_rows(clock: Clock, steps: int, hf_config: Any, dtype: str) -> list[dic
         n, k = (int(v) for v in ph.removeprefix("matmul ").split(" x "))
         calls = clock.calls[ph]
         rows = max(1, round(flops / (2.0 * n * k * calls)))
-        best = best_rates({(n, k): counts.get((n, k), 1)}, rows, getattr(torch, dtype))[(n, k)]
+        shape = {(n, k): counts.get((n, k), 1)}
+        best = best_rates(shape, rows, getattr(torch, dtype), clock=clock.now)[(n, k)]
         seconds = clock.seconds[ph]
         out.append(
             {
