@@ -3,17 +3,22 @@
 For each dtype and speculation method, one process per engine holds it loaded (vLLM in its own
 venv: ``scripts/build_vllm_cpu_venv.sh``); for every round and batch size B the two engines take
 turns (the order alternating from round to round), each generating --max-tokens tokens for B
-prompts submitted at once (64-token windows of the built-in pair's held-out stdlib files). Both
+prompts submitted at once (64-token windows of the held-out stdlib files, in the model's own
+tokens). Both
 processes are pinned to the same CPU (--cpu) and run one torch thread; vLLM's engine core runs
 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so an idle engine takes no CPU. A cell's tok/s is
 its output tokens over its time, both summed over the rounds; greedy agreement counts the
 sequences whose tokens are identical in the two engines.
 
-    python benchmarks/compare_vllm.py [--dtypes float32 bfloat16] [--methods plain k2 k4] \
-        [--batch-sizes 1 8 32 64] [--rounds 3] [--out bench_results/compare_vllm.json]
+    python benchmarks/compare_vllm.py [--model FILE.gguf|DIR] [--dtypes float32 bfloat16] \
+        [--methods plain k2 k4] [--batch-sizes 1 8 32 64] [--rounds 3] \
+        [--out bench_results/compare_vllm.json]
 
-Methods: plain, kN (the built-in draft model drafting N tokens), eagleN (the built-in EAGLE-3
-head), ngramN (prompt lookup).
+--model: a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one), which is
+converted once to a float32 Hugging Face checkpoint beside it (``gguf_to_hf.py``) that both
+engines then load, so that they run the same weights. Without it, the built-in pair.
+Methods: plain, ngramN (prompt lookup), and on the built-in pair kN (its draft model drafting N
+tokens) and eagleN (its EAGLE-3 head).
 """
 
 from __future__ import annotations
@@ -94,23 +99,43 @@ class Worker:
                 self.proc.kill()
 
 
-def heldout_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    from specbatch.bench.workload import heldout_token_stream
+def resolve_model(model: str | None) -> str:
+    """The checkpoint folder both engines load: the built-in target, a Hugging Face folder, or
+    the float32 conversion of a GGUF file (or of the one GGUF file in a folder)."""
+    from benchmarks.gguf_to_hf import gguf_to_hf
     from specbatch.model.model_pair import default_model_path
+
+    if model is None:
+        return default_model_path("target")
+    path = Path(model)
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) != 1:
+            raise ValueError(f"--model {model}: no config.json and not one .gguf file")
+        path = found[0]
+    if path.is_file() and path.suffix == ".gguf":
+        return str(gguf_to_hf(path))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model}: not a GGUF file or a checkpoint folder")
+    return str(path)
+
+
+def heldout_prompts(tokenizer_path: str, n: int, length: int, seed: int) -> list[list[int]]:
+    from specbatch.bench.workload import heldout_token_stream
     from specbatch.tokenizer import load_tokenizer
 
-    stream, _ = heldout_token_stream(load_tokenizer(default_model_path("target")))
+    stream, _ = heldout_token_stream(load_tokenizer(tokenizer_path))
     rng = random.Random(seed)
     return [stream[s : s + length] for s in (rng.randrange(len(stream) - length) for _ in range(n))]
 
 
 def run_config(
-    args: argparse.Namespace, dtype: str, method: str, prompts: list[list[int]]
+    args: argparse.Namespace, target: str, dtype: str, method: str, prompts: list[list[int]]
 ) -> list[dict]:
     from specbatch.model.model_pair import default_model_path
 
     draft = default_model_path("eagle" if method.startswith("eagle") else "draft")
-    common = ["--target", default_model_path("target"), "--draft", draft,
+    common = ["--target", target, "--draft", draft,
               "--dtype", dtype, "--max-model-len", "512", *method_args(method)]  # fmt: skip
     workers = {
         "vllm": Worker(args.vllm_python, "vllm", common, args.cpu),
@@ -180,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--model", default=None, help="FILE.gguf or a checkpoint folder")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--methods", nargs="+", default=["plain", "k2", "k4"])
+    ap.add_argument("--methods", nargs="+", default=None, help="default: plain k2 k4 (plain)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -190,13 +216,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     ap.add_argument("--out", default=str(RESULTS_DIR / "compare_vllm.json"))
     args = ap.parse_args(argv)
+    if args.methods is None:
+        args.methods = ["plain", "k2", "k4"] if args.model is None else ["plain"]
+    for m in args.methods:
+        method_args(m)
+        if args.model is not None and m != "plain" and not m.startswith("ngram"):
+            ap.error(f"--methods {m}: only plain and ngramN run with --model")
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"no vLLM venv at {args.vllm_python}: run scripts/build_vllm_cpu_venv.sh")
-    prompts = heldout_prompts(max(args.batch_sizes), args.prompt_len, seed=0)
+    try:
+        target = resolve_model(args.model)
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"both engines load {target}", flush=True)
+    prompts = heldout_prompts(target, max(args.batch_sizes), args.prompt_len, seed=0)
     rows: list[dict] = []
     for dtype in args.dtypes:
         for method in args.methods:
-            rows += run_config(args, dtype, method, prompts)
+            rows += run_config(args, target, dtype, method, prompts)
     headers = ["dtype", "method", "batch", "vLLM tok/s", "specbatch tok/s", "specbatch/vLLM",
                "greedy identical", "acceptance vLLM / specbatch"]  # fmt: skip
     table = format_table(headers, [table_row(r) for r in rows])
@@ -206,7 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     for key, (v, s) in startups.items():
         print(f"start-up {key}: vLLM {v:.1f} s, specbatch {s:.1f} s")
-    write_json(args.out, {"machine": machine_info(), "args": vars(args), "cells": rows})
+    print(f"both engines loaded {target}")
+    info = {"machine": machine_info(), "args": vars(args), "checkpoint": target, "cells": rows}
+    write_json(args.out, info)
     print(f"wrote {args.out}")
 
 
