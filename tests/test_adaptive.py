@@ -210,6 +210,29 @@ def test_a_choice_stands_while_what_it_reads_stays_and_no_longer():
     assert seen[-1].nodes == 0
 
 
+def test_a_probe_of_drafts_is_charged_the_drafters_whole_lag():
+    """While nobody drafts, the drafter lags; a probe drafts for one step and so catches up on
+    all of it then. Where drafts nearly pay, the runner-up is probed when the drafter is level,
+    and not when it lags a hundred tokens a request."""
+
+    def target(rows: int) -> float:
+        return 0.002 + 0.00017 * rows
+
+    probes = {}
+    for lag in (0, 100):
+        ctl = priced(ladder(4, 1, 4), target=target)
+        reqs = []
+        for i in range(8):
+            req = Request(str(i), list(range(1, 201)), GREEDY, max_model_len=512)
+            req.num_computed, req.num_draft_computed = 199, 199 - lag
+            req.spec.accepted, req.spec.rejections = 60, 40
+            reqs.append(req)
+        seen = [ctl.draft_shapes(reqs)[0] for _ in range(PROBE_EVERY)]
+        assert all(s.nodes == 0 for s in seen[:-1])
+        probes[lag] = seen[-1].nodes
+    assert probes == {0: 1, 100: 0}
+
+
 def test_no_drafts_before_anything_was_measured():
     ctl = DraftController(ladder(4, 1, 4))
     assert ctl.draft_shapes([make_request("a")]) == [DraftShape()]

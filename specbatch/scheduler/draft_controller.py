@@ -32,6 +32,7 @@ same children per node.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -228,7 +229,7 @@ class DraftController:
             rate = len(requests) / (decode_only or 1.0)
             plan = self._best(step, rate, none)
             if probe:
-                plan = self._runner_up(step, rate, plan)
+                plan = self._runner_up(step, rate, plan, groups)
             estimates = (self._estimate(step, plan), self._estimate(step, none))
             choice = _Choice(key, plan, estimates, REUSE_STEPS)
             if not probe:  # a probe's plan is not the choice
@@ -290,13 +291,19 @@ class DraftController:
                         plan, best = trial, value
         return plan
 
-    def _runner_up(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
+    def _runner_up(
+        self, step: _Step, rate: float, plan: Shapes, groups: dict[SamplingClass, list[Request]]
+    ) -> Shapes:
         """The plan to probe instead of ``plan``. A plan that drafts: no drafts, whose price
         every choice is weighed against (an over-priced one would keep drafts running that
         lose). Else the best plan that differs in the largest class's shape, unless it is
-        expected to lose more than a tenth of a token a request (then ``plan`` again)."""
+        expected to lose more than a tenth of a token a request (then ``plan`` again); a probe
+        drafts for one step, so it is charged the drafter's whole lag, not a share of it."""
         if any(s.nodes for s in plan.values()):
             return {c: DraftShape() for c in plan}
+        lags = {c: float(sum(r.num_tokens - r.num_draft_computed for r in rs))
+                for c, rs in groups.items()}  # fmt: skip
+        step = dataclasses.replace(step, behind=lags, memo={})
         c = max(step.counts, key=lambda c: step.counts[c])
         topks = {s.topk for d, s in plan.items() if d != c and s.nodes}
         others = [s for s in self.shapes
