@@ -268,7 +268,9 @@ def phase_train(args, run: Path) -> None:
     cfg = target_config(Path(args.target))
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
-    vocab = draft_vocab(chat.load_chat(Path(args.chat_data))["train"], args.draft_vocab, cfg)
+    vocab = None
+    if args.chat_data:
+        vocab = draft_vocab(chat.load_chat(Path(args.chat_data))["train"], args.draft_vocab, cfg)
     if vocab is not None:
         log(run, f"draft vocabulary: {len(vocab)} tokens")
     head = Head(cfg, args.intermediate or cfg["intermediate_size"], len(info["stream_ids"]),
