@@ -1,6 +1,7 @@
 """Chat data for scripts/train_eagle.py: the target's features over its own answers
-(scripts/chat_answers.py's JSON lines), stored ragged, batched padded with a mask over the
-answer positions, and the draft vocabulary (the answers' most frequent tokens)."""
+(scripts/chat_answers.py's JSON lines), computed by specbatch's own forward (the values a head
+reads when drafting), stored ragged, batched padded with a mask over the answer positions, and
+the draft vocabulary (the answers' most frequent tokens)."""
 
 from __future__ import annotations
 
@@ -48,28 +49,58 @@ def coverage(records: list[dict], vocab: torch.Tensor | None) -> float:
     return sum(t in inside for t in tokens) / len(tokens)
 
 
-def featurise_chat(records: list[dict], featurise: Callable, batch: int = 8) -> dict:
-    """Every record's prompt + answer through the target (``featurise(tokens [b, L])`` ->
-    (final, streams)), batched by length, stored flat: tokens, final, streams, offsets (the
-    record r is rows offsets[r]:offsets[r + 1]) and prompt lengths."""
+class Featuriser:
+    """The target on specbatch's layers (and CPU kernels): for sequences, the final normed
+    hidden states and the residual streams entering the layers ``streams``, concatenated."""
+
+    BLOCK = 16
+
+    def __init__(self, path: Path, streams: list[int]) -> None:
+        from specbatch.model.loader import load_model
+
+        self.model = load_model(path, torch.float32, "cpu")
+        self.streams = tuple(streams)
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from specbatch.model.layers.attention import AttentionMetadata
+
+        lens = [len(s) for s in seqs]
+        blocks = [-(-n // self.BLOCK) for n in lens]
+        caches = self.model.allocate_kv_caches(sum(blocks), self.BLOCK, "cpu")
+        firsts = [sum(blocks[:i]) for i in range(len(blocks))]
+        tables = [list(range(f, f + b)) for f, b in zip(firsts, blocks, strict=True)]
+        meta = AttentionMetadata.from_lists(lens, lens, tables, self.BLOCK)
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        final, kept = self.model.model(ids, positions, caches, meta, self.streams)
+        streams = torch.cat(kept, dim=-1)
+        return [(f.to(torch.bfloat16), s.to(torch.bfloat16))
+                for f, s in zip(final.split(lens), streams.split(lens), strict=True)]  # fmt: skip
+
+
+def featurise_chat(records: list[dict], featurise: Callable, batch_tokens: int = 4096) -> dict:
+    """Every record's prompt + answer through the target (``featurise(seqs)`` -> [(final,
+    streams)] per sequence), some ``batch_tokens`` at a time, stored flat: tokens, final,
+    streams, offsets (the record r is rows offsets[r]:offsets[r + 1]) and prompt lengths."""
     seqs = [rec["prompt_token_ids"] + rec["answer_token_ids"] for rec in records]
-    order = sorted(range(len(seqs)), key=lambda r: len(seqs[r]))
-    finals: list[torch.Tensor | None] = [None] * len(seqs)
-    streams: list[torch.Tensor | None] = [None] * len(seqs)
-    for start in range(0, len(order), batch):
-        part = order[start : start + batch]
-        width = max(len(seqs[r]) for r in part)
-        ids = torch.zeros(len(part), width, dtype=torch.int64)
-        for row, r in enumerate(part):
-            ids[row, : len(seqs[r])] = torch.tensor(seqs[r])
-        final, stream = featurise(ids)  # right padding: causal, so the real rows are unchanged
-        for row, r in enumerate(part):
-            finals[r], streams[r] = final[row, : len(seqs[r])], stream[row, : len(seqs[r])]
+    finals: list[torch.Tensor] = []
+    streams: list[torch.Tensor] = []
+    start = 0
+    while start < len(seqs):
+        end, total = start, 0
+        while end < len(seqs) and (end == start or total + len(seqs[end]) <= batch_tokens):
+            total += len(seqs[end])
+            end += 1
+        for final, stream in featurise(seqs[start:end]):
+            finals.append(final)
+            streams.append(stream)
+        start = end
     lengths = torch.tensor([len(s) for s in seqs])
     return {
         "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-        "final": torch.cat(finals),  # type: ignore[arg-type]
-        "streams": torch.cat(streams),  # type: ignore[arg-type]
+        "final": torch.cat(finals),
+        "streams": torch.cat(streams),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         "prompt_lens": torch.tensor([len(rec["prompt_token_ids"]) for rec in records]),
     }

@@ -231,18 +231,17 @@ def draft_vocab(train: list[dict], size: int | None, cfg: dict) -> torch.Tensor 
 def phase_chat_features(args, run: Path) -> None:
     path = Path(args.chat_data)
     convs = chat.load_chat(path)
-    model = load_target(Path(args.target))
-    cfg = model.config
-    ids = stream_ids(args.layers, cfg.num_hidden_layers)
+    cfg = target_config(Path(args.target))
+    ids = stream_ids(args.layers, cfg["num_hidden_layers"])
     cover = {}
     for size in sorted({*COVERAGE_SIZES, args.draft_vocab or 0} - {0}):
-        if size < cfg.vocab_size:
-            v = draft_vocab(convs["train"], size, cfg.to_dict())
+        if size < cfg["vocab_size"]:
+            v = draft_vocab(convs["train"], size, cfg)
             cover[size] = [round(chat.coverage(convs[s], v), 4) for s in ("train", "heldout")]
     log(run, f"draft vocabulary coverage of the answers' tokens (train, held-out): {cover}")
     t0 = time.time()
-    blobs = {s: chat.featurise_chat(convs[s], lambda t: featurise(model, t, ids))
-             for s in ("train", "heldout")}  # fmt: skip
+    featurise = chat.Featuriser(Path(args.target), ids)
+    blobs = {s: chat.featurise_chat(convs[s], featurise) for s in ("train", "heldout")}
     torch.save({"train": blobs["train"], "eval": blobs["heldout"]}, run / "features.pt")
     meta_path = path.with_suffix(path.suffix + ".json")
     answered = {s: len(blobs[s]["tokens"]) for s in blobs}
