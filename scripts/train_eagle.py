@@ -81,7 +81,13 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
     p.add_argument("--step-decay", type=float, default=0.6, help="draft step k weighs decay^(k-1)")
-    p.add_argument("--noise", type=float, default=0.1, help="stream noise (x stream rms)")
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.1,
+        help="stream noise (x the streams' overall rms; 0 for a target whose streams have a few "
+        "channels far larger than the rest, as SmolLM2's, where it would drown the others)",
+    )
     p.add_argument("--intermediate", type=int, default=None, help="head MLP (default: target's)")
     p.add_argument("--eval-every", type=int, default=500, help="held-out alpha every N steps")
     p.add_argument("--threads", type=int, default=2)

@@ -4,7 +4,7 @@ instructions (scripts/chat_answers.py), then features, training and export
 tests/test_gguf_smollm2.py look for it. Each step is a command of its own, recorded in the
 head's training.json; a run cut short can be started again (the answers resume).
 
-    python scripts/train_smollm2_eagle.py [--run runs/smollm2] [--threads 1] [--minutes 35]
+    python scripts/train_smollm2_eagle.py [--run runs/smollm2] [--threads 1] [--minutes 22]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("--run", default="runs/smollm2", help="answers, features, checkpoints, logs")
     ap.add_argument("--export", default=str(eagle_head_dir()))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--minutes", type=float, default=35.0, help="training time")
+    ap.add_argument("--minutes", type=float, default=22.0, help="training time")
     ap.add_argument("--draft-vocab", type=int, default=16384)
     a = ap.parse_args()
     run = Path(a.run)
@@ -34,7 +34,7 @@ def main() -> int:
         ["chat_answers.py", "--out", str(run / "chat.jsonl"), *threads],
         ["train_eagle.py", "--target", str(fetch_smollm2()), "--chat-data",
          str(run / "chat.jsonl"), "--draft-vocab", str(a.draft_vocab), "--out", str(run),
-         "--export", a.export, "--batch-size", "16", "--lr", "2e-3", "--steps", "20000",
+         "--export", a.export, "--batch-size", "16", "--noise", "0", "--steps", "20000",
          "--minutes", str(a.minutes), "--eval-every", "50", *threads],
     ]  # fmt: skip
     for step in steps:
