@@ -71,24 +71,8 @@ def test_chat_answers_through_the_files_template(replies: list) -> None:
     assert first.outputs[0].finish_reason == "stop"
 
 
-def test_ngram_speculation_keeps_the_greedy_replies(smollm2: Path, replies: list) -> None:
+def assert_speculation_keeps_the_greedy_replies(smollm2: Path, replies: list, spec: dict) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    with LLM(
-        str(smollm2), dtype="float32", max_model_len=512, num_kv_blocks=64, speculative_config=spec
-    ) as llm:
-        outs = llm.chat(CONVERSATIONS, greedy, use_tqdm=False)
-        summary = llm.engine.metrics.summary()
-    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in replies]
-    assert summary["draft_tokens_accepted"] > 0  # the repeated sentence is found in the prompt
-
-
-def test_eagle_head_keeps_the_greedy_replies(smollm2: Path, replies: list) -> None:
-    head = eagle_head_dir()
-    if not (head / "config.json").is_file():
-        pytest.skip(f"no EAGLE head at {head} (python scripts/train_smollm2_eagle.py)")
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     with LLM(
         str(smollm2), dtype="float32", max_model_len=512, num_kv_blocks=64, speculative_config=spec
     ) as llm:
@@ -96,3 +80,17 @@ def test_eagle_head_keeps_the_greedy_replies(smollm2: Path, replies: list) -> No
         summary = llm.engine.metrics.summary()
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in replies]
     assert summary["draft_tokens_accepted"] > 0
+
+
+def test_ngram_speculation_keeps_the_greedy_replies(smollm2: Path, replies: list) -> None:
+    # the repeated sentence is found in the prompt
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    assert_speculation_keeps_the_greedy_replies(smollm2, replies, spec)
+
+
+def test_eagle_head_keeps_the_greedy_replies(smollm2: Path, replies: list) -> None:
+    head = eagle_head_dir()
+    if not (head / "config.json").is_file():
+        pytest.skip(f"no EAGLE head at {head} (python scripts/train_smollm2_eagle.py)")
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    assert_speculation_keeps_the_greedy_replies(smollm2, replies, spec)
