@@ -147,6 +147,8 @@ def _chain(
     grammars = step.grammars
     drafted: list[list[int]] = [[] for _ in range(a)]  # host copies, for the grammars
     counts = list(depths)
+    st = None if probs is None else SamplingTensors.from_params(
+        [step.params[i] for i in roots.index], device)  # fmt: skip
     for d in range(1, top + 1):
         who = index[rows]
         if grammars is not None:
@@ -158,7 +160,7 @@ def _chain(
         if probs is None:
             x = logits.argmax(dim=-1)
         else:
-            st = SamplingTensors.from_params([step.params[roots.index[i]] for i in live], device)
+            assert st is not None
             q = logits_to_probs(logits, st)
             x = sample(q, step.uniforms[who, d - 1])
             probs[rows, d - 1] = q
@@ -175,6 +177,7 @@ def _chain(
             sel = torch.tensor(keep, dtype=torch.int64, device=device)
             x, rows = x[sel], rows[sel]
             state = None if state is None else state.index_select(0, sel)
+            st = None if st is None else st.take(sel)
             live = [live[k] for k in keep]
         base = [roots.base[i] for i in live]
         inputs = beam_inputs(base, roots.tables.index_select(0, rows), d, 1, block_size, x)

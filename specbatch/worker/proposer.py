@@ -39,12 +39,16 @@ class DraftRound:
     penalties: Penalties | None = None  # the histories of ``sampling``, if any is penalised
     grammars: StepGrammars | None = None  # the grammars of ``sampling``, if any has one
     passes: list[tuple[str, int, float]] = field(default_factory=list)  # the drafter's, timed
+    mark: float = field(default_factory=time.perf_counter)  # the end of the last timed pass
 
     def timed(self, rows: int, run: Callable[[], T]) -> T:
-        """``run()``, one drafter pass over ``rows`` rows, its seconds noted in ``passes``."""
-        t0 = time.perf_counter()
+        """``run()``, one drafter pass over ``rows`` rows, noted in ``passes`` with the seconds
+        since the round began or the last pass ended: the work that prepared it (inputs,
+        sampling the tokens it reads) is its cost too, so a deeper draft is priced whole."""
         out = run()
-        self.passes.append(("draft", rows, time.perf_counter() - t0))
+        now = time.perf_counter()
+        self.passes.append(("draft", rows, now - self.mark))
+        self.mark = now
         return out
 
     @property

@@ -6,13 +6,18 @@ token: the root) and, for a drafting request, its nodes 1..n right after the roo
 written at key index ``root + j`` and sits at position ``root + depth(j)``; in a chain both are
 ``root + j``. The verified rows of request b are its root's and its nodes', in node order; the
 rows a penalty or a logprob reads are picked from them with index tensors built here, once.
+The host-side indices are computed with numpy (a small batch's round would otherwise pay
+more for launching tensor ops than for the ops); a draft's topology is derived only when
+something reads it: a tree's masks and positions, the penalties' paths, tree verification.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from specbatch.model.layers.attention import AttentionMetadata
@@ -29,9 +34,7 @@ class RoundLayout:
     verified_rows: torch.Tensor  # int64 [Rv]: pass rows of every sampling request's root and nodes
     first_verified: list[int]  # per sampling request, its root's index in ``verified_rows``
     row_request: torch.Tensor  # int64 [Rv]: the sampling index of each verified row
-    path_tokens: torch.Tensor  # int64 [Rv, D]: the drafts before each verified row
-    path_len: torch.Tensor  # int64 [Rv]: how many
-    topology: Topology  # the drafts as trees (a chain too)
+    proposal: Proposal
 
     @property
     def num_verified(self) -> int:
@@ -41,6 +44,29 @@ class RoundLayout:
         """Indices in ``verified_rows`` of sampling request b's ``nodes``."""
         first = self.first_verified[b]
         return [first + j for j in nodes]
+
+    @cached_property
+    def topology(self) -> Topology:
+        """The drafts as trees (a chain too)."""
+        p = self.proposal
+        counts = torch.tensor(p.counts, dtype=torch.int64, device=p.tokens.device)
+        parents = p.parents
+        if parents is None:
+            parents = chain_parents(len(p.counts), p.tokens.shape[1], p.tokens.device)
+        return Topology.of(parents, counts)
+
+    @cached_property
+    def paths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per verified row, the drafts before it (int64 [Rv, D], 0 padding) and how many."""
+        topo = self.topology
+        valid = topo.depth.new_tensor(
+            [[j <= n for j in range(topo.depth.shape[1])] for n in self.proposal.counts],
+            dtype=torch.bool,
+        )
+        paths = path_tokens(self.proposal.tokens, topo.path)  # [S, N+1, D]
+        if paths.shape[2]:
+            return paths[valid], topo.depth[valid]
+        return paths.new_zeros(int(valid.sum()), 0), topo.depth[valid]
 
     @staticmethod
     def build(
@@ -53,90 +79,80 @@ class RoundLayout:
         counts = proposal.counts
         num_of = {r.request_id: n for r, n in zip(sampling, counts, strict=True)}
         nodes = [num_of.get(r.request_id, 0) if r.sample else 0 for r in requests]
-        targets = [len(r.target_token_ids) for r in requests]
-        q_lens = [t + n for t, n in zip(targets, nodes, strict=True)]
-        starts = [r.target_start for r in requests]
-        row_starts = list(itertools.accumulate(q_lens, initial=0))
-        total = row_starts[-1]
-        batch = len(requests)
+        targets = np.array([len(r.target_token_ids) for r in requests], dtype=np.int64)
+        q_lens = targets + np.array(nodes, dtype=np.int64)
+        starts = np.array([r.target_start for r in requests], dtype=np.int64)
+        row_starts = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=row_starts[1:])
+        total = int(row_starts[-1])
 
-        count_t = torch.tensor(counts, dtype=torch.int64, device=device)
-        width = proposal.tokens.shape[1]
-        parents = proposal.parents
-        if parents is None:
-            parents = chain_parents(len(sampling), width, device)
-        topo = Topology.of(parents, count_t)
-
-        q_len_t = torch.tensor(q_lens, dtype=torch.int64, device=device)
-        qsl = torch.tensor(row_starts, dtype=torch.int64, device=device)
-        start_t = torch.tensor(starts, dtype=torch.int64, device=device)
-        seq = torch.repeat_interleave(
-            torch.arange(batch, device=device), q_len_t, output_size=total
-        )
-        offset = torch.arange(total, device=device) - qsl[seq]
-        keys = start_t[seq] + offset
-        ids = torch.tensor(
-            list(itertools.chain.from_iterable(r.target_token_ids for r in requests)),
-            dtype=torch.int64,
-        ).to(device)
-        target_t = torch.tensor(targets, dtype=torch.int64, device=device)
-        is_node = offset >= target_t[seq]
-        input_ids = torch.zeros(total, dtype=torch.int64, device=device)
-        input_ids[~is_node] = ids
-        positions = keys
+        seq = np.repeat(np.arange(len(requests)), q_lens)
+        offset = np.arange(total) - row_starts[seq]
+        keys = starts[seq] + offset  # each row's key index; its position, but in a tree
+        is_node = offset >= targets[seq]
+        input_ids = np.zeros(total, dtype=np.int64)
+        input_ids[~is_node] = list(itertools.chain.from_iterable(
+            r.target_token_ids for r in requests))  # fmt: skip
 
         # sampling requests: their verified rows (root, then nodes) and the nodes' rows
-        sample_seq = [i for i, r in enumerate(requests) if r.sample]
-        s_index = torch.tensor(sample_seq, dtype=torch.int64, device=device)
-        root_row = qsl[s_index] + target_t[s_index] - 1  # [S]
-        node_range = torch.arange(width + 1, device=device)
-        valid = node_range[None, :] <= count_t[:, None]  # [S, N+1], root included
-        verified_rows = (root_row[:, None] + node_range[None, :])[valid]
-        first_verified = list(itertools.accumulate([n + 1 for n in counts], initial=0))[:-1]
-        row_request = torch.arange(len(sampling), device=device)[:, None].expand_as(valid)[valid]
-        if width and any(counts):
-            node_valid = valid[:, 1:]
-            node_rows = (root_row[:, None] + node_range[None, 1:])[node_valid]
-            input_ids[node_rows] = proposal.tokens[node_valid]
-            if proposal.parents is not None:
-                depth = topo.depth[:, 1:][node_valid]
-                positions = positions.clone()
-                positions[node_rows] = keys[root_row.repeat_interleave(count_t)] + depth
-        paths = path_tokens(proposal.tokens, topo.path)  # [S, N+1, D]
-        path_of_row = paths[valid] if paths.shape[2] else paths.new_zeros(int(valid.sum()), 0)
-        path_len = topo.depth[valid]
+        sample_seq = np.array([i for i, r in enumerate(requests) if r.sample], dtype=np.int64)
+        per = np.array(counts, dtype=np.int64) + 1
+        root_row = row_starts[sample_seq] + targets[sample_seq] - 1  # [S]
+        first = np.zeros(len(sampling), dtype=np.int64)
+        np.cumsum(per[:-1], out=first[1:])
+        row_request = np.repeat(np.arange(len(sampling)), per)
+        node = np.arange(int(per.sum())) - first[row_request]  # 0: the root
+        verified_rows = root_row[row_request] + node
 
         tables = [r.block_table for r in requests]
         w = max(map(len, tables), default=1) or 1
-        table = torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int64)
-        table = table.to(device)
+        table = np.zeros((len(requests), w), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
         slots = table[seq, keys // block_size] * block_size + keys % block_size
-        seq_lens = [s + q for s, q in zip(starts, q_lens, strict=True)]
+        seq_lens = starts + q_lens
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
         meta = AttentionMetadata(
-            query_start_loc=qsl,
-            seq_lens=start_t + q_len_t,
-            block_tables=table,
-            slot_mapping=slots,
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
+            query_start_loc=dev(row_starts),
+            seq_lens=dev(seq_lens),
+            block_tables=dev(table),
+            slot_mapping=dev(slots),
+            query_lens_cpu=q_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
         )
-        if proposal.parents is not None and any(counts):
-            # the drafting requests' trees (each has one target token: its root); every other
-            # sequence, a prompt chunk in particular, stays causal
-            drafting = count_t > 0
-            tree_starts = torch.full((batch,), -1, dtype=torch.int64, device=device)
-            where = s_index[drafting]
-            tree_starts[where] = start_t[where] + target_t[where] - 1
-            masks = torch.zeros(total, dtype=torch.int64, device=device)
-            masks[verified_rows] = topo.ancestors[valid]
-            meta.tree_starts, meta.tree_masks = tree_starts, masks
-        return RoundLayout(
-            inputs=ForwardInputs(input_ids, positions, meta),
-            row_starts=row_starts[:-1],
-            verified_rows=verified_rows,
-            first_verified=first_verified,
-            row_request=row_request,
-            path_tokens=path_of_row,
-            path_len=path_len,
-            topology=topo,
+        ids_t, keys_t = dev(input_ids), dev(keys)
+        layout = RoundLayout(
+            inputs=ForwardInputs(ids_t, keys_t, meta),
+            row_starts=row_starts[:-1].tolist(),
+            verified_rows=dev(verified_rows),
+            first_verified=first.tolist(),
+            row_request=dev(row_request),
+            proposal=proposal,
         )
+        if any(counts):
+            drafts = node > 0
+            node_rows = dev(verified_rows[drafts])
+            width = proposal.tokens.shape[1]
+            flat = dev(row_request[drafts] * width + node[drafts] - 1)
+            ids_t[node_rows] = proposal.tokens.reshape(-1)[flat]
+            if proposal.parents is not None:
+                # a tree: a node sits at its root's position plus its depth, sees the keys
+                # before its root and its ancestors; every other sequence, a prompt chunk in
+                # particular, stays causal
+                topo = layout.topology
+                valid = torch.zeros(topo.depth.shape, dtype=torch.bool, device=device)
+                valid[dev(row_request), dev(node)] = True
+                depth = topo.depth[valid]
+                pos = keys_t.clone()
+                pos[node_rows] = keys_t[dev(root_row[row_request[drafts]])] + depth[dev(drafts)]
+                layout.inputs.positions = pos
+                tree_starts = np.full(len(requests), -1, dtype=np.int64)
+                where = sample_seq[np.array(counts) > 0]
+                tree_starts[where] = starts[where] + targets[where] - 1
+                masks = torch.zeros(total, dtype=torch.int64, device=device)
+                masks[layout.verified_rows] = topo.ancestors[valid]
+                meta.tree_starts, meta.tree_masks = dev(tree_starts), masks
+        return layout

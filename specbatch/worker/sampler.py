@@ -9,6 +9,7 @@ path anywhere else.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +67,30 @@ class SamplingTensors:
 
     @classmethod
     def from_params(
-        cls, params: list[SamplingParams], device: torch.device | str | None = None
+        cls,
+        params: list[SamplingParams],
+        device: torch.device | str | None = None,
+        repeats: list[int] | None = None,
     ) -> SamplingTensors:
+        """One row per request, or ``repeats[b]`` rows of request b."""
+        if repeats is not None:
+            params = [p for p, n in zip(params, repeats, strict=True) for _ in range(n)]
         return cls.from_lists(
             [p.temperature for p in params],
             [p.top_k for p in params],
             [p.top_p for p in params],
             [p.min_p for p in params],
             device=device,
+        )
+
+    def take(self, index: torch.Tensor) -> SamplingTensors:
+        """The rows ``index`` (int64, on the tensors' device); the flags stay as they were."""
+        return dataclasses.replace(
+            self,
+            temperature=self.temperature.index_select(0, index),
+            top_k=self.top_k.index_select(0, index),
+            top_p=self.top_p.index_select(0, index),
+            min_p=self.min_p.index_select(0, index),
         )
 
     def repeat_interleave(

@@ -165,14 +165,11 @@ class Worker:
             logits = grammars.apply_verified(logits)
         raw = logits
         if penalties is not None:
-            logits = penalties.apply(
-                logits, layout.row_request, layout.path_tokens, layout.path_len
-            )
+            logits = penalties.apply(logits, layout.row_request, *layout.paths)
         st = None  # each verified row's sampling parameters, unless argmaxes are all it needs
         asking = [b for b, sp in enumerate(params) if sp.logprobs is not None]
         if asking or not greedy:
-            st = SamplingTensors.from_params(params, self.device)
-            st = st.repeat_interleave([n + 1 for n in proposal.counts])
+            st = SamplingTensors.from_params(params, self.device, [n + 1 for n in proposal.counts])
         p = logits.argmax(dim=-1) if greedy else logits_to_probs(logits, st)
         verdict = self._verify(step, proposal, layout, p, verify_u)
         if proposal.is_tree:
@@ -329,17 +326,23 @@ class Worker:
             )
         width = proposal.tokens.shape[1]
         # p per request [B, G+1(, V)]: its root and drafts; padding positions repeat its last
-        k = torch.arange(width + 1, device=self.device)[None, :]
-        expand = first[:, None] + torch.minimum(k, counts[:, None])
+        if all(n == width for n in proposal.counts):  # no padding: the rows as they lie
+            p_rows = p.view(len(proposal.counts), width + 1, *p.shape[1:])
+        else:
+            k = torch.arange(width + 1, device=self.device)[None, :]
+            p_rows = p[first[:, None] + torch.minimum(k, counts[:, None])]
         if p.dim() == 1:
-            out = greedy_verify(proposal.tokens, counts, p[expand])
+            out = greedy_verify(proposal.tokens, counts, p_rows)
         else:
             # the final draw follows the granted drafts' (a lookup may propose fewer)
-            granted = torch.tensor([s.depth if s.nodes else 0 for s in step.shapes],
-                                   dtype=torch.int64, device=self.device)  # fmt: skip
-            final = u.gather(1, granted[:, None])[:, 0]
+            granted = [s.depth if s.nodes else 0 for s in step.shapes]
+            if all(g == granted[0] for g in granted):
+                final = u[:, granted[0]]
+            else:
+                at = torch.tensor(granted, dtype=torch.int64, device=self.device)
+                final = u.gather(1, at[:, None])[:, 0]
             out = rejection_sample(
-                proposal.tokens, counts, proposal.probs, p[expand], u[:, :width], final
+                proposal.tokens, counts, proposal.probs, p_rows, u[:, :width], final
             )
         host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
         return _Verdict(
