@@ -150,6 +150,18 @@ class CpuKernels:
         self._m.silu_and_mul(x.shape[0], n, x.data_ptr(), out.data_ptr(), _is_bf16(x))
         return out
 
+    # ---- sampling ----------------------------------------------------------------------------
+    def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``sampler.sample`` for float32 ``probs [N, V]`` and ``u [N]``: the same tokens."""
+        probs = _rows(probs)
+        u = u.to(torch.float32).contiguous()
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        self._m.sample_rows(
+            probs.shape[0], probs.shape[1], probs.data_ptr(), probs.stride(0), u.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
+        return out
+
     # ---- attention ---------------------------------------------------------------------------
     @staticmethod
     def kv_cache_shapes(

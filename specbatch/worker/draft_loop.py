@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -45,7 +46,14 @@ class Roots:
     logits: torch.Tensor  # float32 [A, V]
     state: torch.Tensor | None  # [A, F]: what the next pass reads beside a token (EAGLE)
     base: list[int]  # the key index of each one's first draft pass
-    tables: torch.Tensor  # int64 [A, W]: their block tables
+    blocks: list[list[int]]  # their block tables
+
+    @cached_property
+    def tables(self) -> torch.Tensor:
+        """int64 [A, W]: the block tables, padded to one width."""
+        w = max(map(len, self.blocks), default=1) or 1
+        padded = [t + [0] * (w - len(t)) for t in self.blocks]
+        return torch.tensor(padded, dtype=torch.int64).to(self.logits.device)
 
 
 @dataclass
@@ -81,13 +89,6 @@ def catch_up(step: DraftRound, block_size: int, device: torch.device) -> CatchUp
 def drafting(step: DraftRound) -> list[int]:
     """The indices of the sampling requests that draft this step."""
     return [i for i, s in enumerate(step.shapes) if s.nodes > 0]
-
-
-def block_tables(requests: list[ScheduledRequest], device: torch.device) -> torch.Tensor:
-    """The requests' block tables, padded to one width."""
-    tables = [r.block_table for r in requests]
-    w = max(map(len, tables), default=1) or 1
-    return torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int64).to(device)
 
 
 def grow(
@@ -179,8 +180,11 @@ def _chain(
             state = None if state is None else state.index_select(0, sel)
             st = None if st is None else st.take(sel)
             live = [live[k] for k in keep]
-        base = [roots.base[i] for i in live]
-        inputs = beam_inputs(base, roots.tables.index_select(0, rows), d, 1, block_size, x)
+        # each live chain's draft d, read at position base + d - 1 (built on the host: cheaper
+        # than tensor ops for a chain's one row a request)
+        starts = [roots.base[i] + d - 1 for i in live]
+        blocks = [roots.blocks[i] for i in live]
+        inputs = build_inputs(x, [1] * len(live), starts, blocks, block_size, device)
         state, logits = step.timed(len(live), lambda: forward(x, state, inputs))  # noqa: B023
     return tokens, probs, counts
 

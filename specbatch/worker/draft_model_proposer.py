@@ -9,7 +9,7 @@ import torch
 
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import TensorParallelGroup
-from specbatch.worker.draft_loop import Roots, block_tables, catch_up, drafting, grow
+from specbatch.worker.draft_loop import Roots, catch_up, drafting, grow
 from specbatch.worker.model_runner import ForwardInputs, ModelRunner
 from specbatch.worker.proposer import Drafter, DraftRound, Proposal
 
@@ -42,14 +42,14 @@ class DraftModelProposer(Drafter):
         reqs = [step.sampling[i] for i in active]
         rows = [catch.last_row[r.request_id] for r in reqs]
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        rows_in = int(catch.inputs.input_ids.shape[0])
-        logits = step.timed(rows_in, lambda: self.runner.forward(catch.inputs, index))
+        logits = self.runner.forward(catch.inputs, index)
+        step.note("catch-up", int(catch.inputs.input_ids.shape[0]))
         roots = Roots(
             active,
             logits,
             None,
             [r.target_start + len(r.target_token_ids) for r in reqs],
-            block_tables(reqs, self.device),
+            [r.block_table for r in reqs],
         )
         sampled = self.config.speculative_config.tree_children == "sampled"
         return grow(step, roots, self._pass, self.config.block_size, sampled)

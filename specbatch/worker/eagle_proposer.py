@@ -20,7 +20,7 @@ from specbatch.model.eagle import TargetParts, load_eagle_head
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import ScheduledRequest
-from specbatch.worker.draft_loop import Roots, block_tables, catch_up, drafting, grow
+from specbatch.worker.draft_loop import Roots, catch_up, drafting, grow
 from specbatch.worker.model_runner import ForwardInputs, ModelRunner, move_slots
 from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
@@ -83,14 +83,12 @@ class EagleProposer(Drafter):
             return step.empty_proposal(self.device)
         inputs = catch.inputs
         features = self.head.from_target(torch.cat([self._features(r) for r in catch.requests]))
-        feature, hidden = step.timed(
-            int(inputs.input_ids.shape[0]),
-            lambda: self.head(
-                inputs.input_ids, features, inputs.positions, self.kv_caches[0], inputs.meta
-            ),
+        feature, hidden = self.head(
+            inputs.input_ids, features, inputs.positions, self.kv_caches[0], inputs.meta
         )
         active = drafting(step)
         if not active:
+            step.note("catch-up", int(inputs.input_ids.shape[0]))
             return step.empty_proposal(self.device)
         reqs = [step.sampling[i] for i in active]
         rows = torch.tensor([catch.last_row[r.request_id] for r in reqs], device=self.device)
@@ -99,8 +97,9 @@ class EagleProposer(Drafter):
             self.head.compute_logits(hidden.index_select(0, rows)),
             feature.index_select(0, rows),
             [r.draft_start + len(r.draft_token_ids) for r in reqs],
-            block_tables(reqs, self.device),
+            [r.block_table for r in reqs],
         )
+        step.note("catch-up", int(inputs.input_ids.shape[0]))
         sampled = self.config.speculative_config.tree_children == "sampled"
         return grow(step, roots, self._pass, self.config.block_size, sampled)
 

@@ -42,14 +42,20 @@ class DraftRound:
     mark: float = field(default_factory=time.perf_counter)  # the end of the last timed pass
 
     def timed(self, rows: int, run: Callable[[], T]) -> T:
-        """``run()``, one drafter pass over ``rows`` rows, noted in ``passes`` with the seconds
-        since the round began or the last pass ended: the work that prepared it (inputs,
-        sampling the tokens it reads) is its cost too, so a deeper draft is priced whole."""
+        """``run()``, the drafter's pass over ``rows`` beam nodes of one depth, noted in
+        ``passes`` with the seconds since the last pass ended: the work that prepared it (its
+        inputs, sampling the tokens it reads) is its cost too, so a deeper draft is priced
+        whole."""
         out = run()
-        now = time.perf_counter()
-        self.passes.append(("draft", rows, now - self.mark))
-        self.mark = now
+        self.note("draft", rows)
         return out
+
+    def note(self, kind: str, rows: int) -> None:
+        """A pass (``"catch-up"``: the drafter's first, over what it has not seen, up to the
+        roots' logits; ``"draft"``: a depth) that ended now, over ``rows`` rows."""
+        now = time.perf_counter()
+        self.passes.append((kind, rows, now - self.mark))
+        self.mark = now
 
     @property
     def tree(self) -> bool:

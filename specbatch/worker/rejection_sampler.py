@@ -75,6 +75,10 @@ def rejection_sample(
             f"target_probs {tuple(target_probs.shape)} [B, G+1, V] with B={batch}, G={gamma}"
         )
     device = draft_token_ids.device
+    if gamma == 0:  # nothing drafted: the token is p's
+        token = sample(target_probs[:, 0], final_u)
+        none = torch.zeros(batch, dtype=torch.int64, device=device)
+        return RejectionResult(token_ids=token[:, None], num_accepted=none, num_emitted=none + 1)
     rows = torch.arange(batch, device=device)
     positions = torch.arange(gamma, device=device).unsqueeze(0)  # [1, G]
     valid = positions < num_draft.unsqueeze(1)  # [B, G]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specbatch.errors import InvalidInputError
+from specbatch.kernels.cpu import cpu_kernels
 from specbatch.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class SamplingTensors:
     any_top_p: bool
     any_min_p: bool
     any_greedy: bool
+    unit_temperature: bool = False  # every row's temperature is 1 or 0: no scaling to do
 
     @classmethod
     def from_lists(
@@ -63,6 +65,7 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(m > 0.0 for m in min_p),
             any_greedy=any(t == 0.0 for t in temperature),
+            unit_temperature=all(t in (0.0, 1.0) for t in temperature),
         )
 
     @classmethod
@@ -116,6 +119,7 @@ class SamplingTensors:
             any_top_p=self.any_top_p,
             any_min_p=self.any_min_p,
             any_greedy=self.any_greedy,
+            unit_temperature=self.unit_temperature,
         )
 
 
@@ -152,9 +156,13 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     ties), whatever the other parameters say.
     """
     logits = logits.float()
-    greedy = st.temperature == 0.0
-    temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    scaled = logits / temperature.unsqueeze(1)
+    greedy = st.temperature == 0.0 if st.any_greedy else None
+    scaled = logits
+    if not st.unit_temperature:
+        temperature = st.temperature
+        if greedy is not None:
+            temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
+        scaled = logits / temperature.unsqueeze(1)
     if st.any_top_k or st.any_top_p:
         scaled = _apply_top_k_top_p(scaled, st)
     probs = torch.softmax(scaled, dim=-1)
@@ -163,7 +171,7 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         cut = probs.masked_fill(probs < threshold, 0.0)
         cut = cut / cut.sum(dim=-1, keepdim=True)
         probs = torch.where((st.min_p > 0.0).unsqueeze(1), cut, probs)
-    if st.any_greedy:
+    if greedy is not None:
         top = torch.argmax(logits, dim=-1, keepdim=True)
         one_hot = torch.zeros_like(probs).scatter_(1, top, 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
@@ -179,6 +187,19 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Deterministic given `u`. A row with no positive mass at all returns token 0, and a row
     holding NaN a token inside the vocabulary.
     """
+    kernels = cpu_kernels()
+    if (
+        kernels is not None
+        and probs.device.type == "cpu"
+        and probs.dim() == 2
+        and (probs.dtype == u.dtype == torch.float32)
+    ):
+        return kernels.sample_rows(probs, u)
+    return sample_reference(probs, u)
+
+
+def sample_reference(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sample`` in torch ops (what the CPU kernel computes, any device)."""
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
     target = u.to(torch.float64) * cdf[:, -1]
     idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)

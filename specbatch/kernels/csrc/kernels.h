@@ -47,4 +47,7 @@ void sb_paged_attention(int num_seqs, const int64_t* qsl, const int64_t* seq_len
 int sb_attention_max_head_dim(void);
 int sb_attention_tree_rows(void);
 
+/* sampling.c: one token per row of probs [rows, v] (rows ld apart), u [rows] in [0, 1) */
+void sb_sample_rows(int rows, int v, const float* probs, long ld, const float* u, int64_t* out);
+
 #endif

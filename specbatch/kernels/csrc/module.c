@@ -66,6 +66,8 @@ WRAP(paged_attention, "ipppipiiiippifpppi",
      sb_paged_attention(I(0), P(1), P(2), P(3), L(4), P(5), L(6), I(7), I(8), I(9), P(10), P(11),
                         I(12), F(13), P(14), P(15), P(16), I(17)))
 
+WRAP(sample_rows, "iipipp", sb_sample_rows(I(0), I(1), P(2), L(3), P(4), P(5)))
+
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
     (void)unused;
@@ -77,7 +79,7 @@ static PyObject* py_info(PyObject* self, PyObject* unused) {
 #define FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
-    FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention),
+    FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
