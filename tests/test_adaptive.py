@@ -59,10 +59,12 @@ def cheap_drafter(rows: int) -> float:
 def priced(shapes: list[DraftShape], target=memory_bound, drafter=cheap_drafter):
     ctl = DraftController(shapes)
     ctl.target.observe(1, 1.0)  # a first call: left out
-    ctl.drafter.observe(1, 1.0)
+    for curve in (ctl.catch_up, ctl.depth):
+        curve.observe(1, 1.0)
     for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         ctl.target.observe(rows, target(rows))
-        ctl.drafter.observe(rows, drafter(rows))
+        ctl.catch_up.observe(rows, drafter(rows))
+        ctl.depth.observe(rows, drafter(rows))
     return ctl
 
 
@@ -156,7 +158,8 @@ def test_draft_rows_inside_a_measured_bucket_are_not_free():
     ctl = DraftController(ladder(4, 1, 4))
     for rows in [1, *sorted({round(2 ** (b / 4)) for b in range(49)})]:  # every bucket to 4096
         ctl.target.observe(rows, 0.0002 * rows)
-        ctl.drafter.observe(rows, 0.00002 * rows)
+        ctl.catch_up.observe(rows, 0.00002 * rows)
+        ctl.depth.observe(rows, 0.00002 * rows)
     reqs = [make_request(str(i), accepted=70, rejections=30) for i in range(32)]
     assert row_bucket(2016 + 32) == row_bucket(2016 + 32 * 5)
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2016))
@@ -231,6 +234,29 @@ def test_a_probe_of_drafts_is_charged_the_drafters_whole_lag():
         assert all(s.nodes == 0 for s in seen[:-1])
         probes[lag] = seen[-1].nodes
     assert probes == {0: 1, 100: 0}
+
+
+def test_drafts_priced_too_dear_are_probed_again_in_time():
+    """Drafter passes measured at ten times their cost (a slow moment of a shared host)
+    stop drafts; probes of them, each expected to lose far more than a tenth of a token, run
+    only after as many steps as pay for that loss: none in the first 32 steps, one within the
+    next 1,024, whose measure (the true cost) then brings drafts back."""
+    ctl = priced(ladder(4, 1, 4), target=memory_bound)
+    ctl.catch_up, ctl.depth = RowCosts(), RowCosts()
+    for curve in (ctl.catch_up, ctl.depth):
+        curve.observe(1, 1.0)  # a first call: left out
+        for rows in (1, 2, 4):
+            curve.observe(rows, 10 * cheap_drafter(rows))
+    one = [make_request("a", accepted=90, rejections=10)]
+    seen = [ctl.draft_shapes(one)[0] for _ in range(PROBE_EVERY)]
+    assert all(s.nodes == 0 for s in seen)
+    first = next(i for i in range(1024) if ctl.draft_shapes(one)[0].nodes)
+    assert first > PROBE_EVERY
+    for _ in range(8):  # the probe's passes, at their true cost
+        for curve in (ctl.catch_up, ctl.depth):
+            for rows in (1, 2, 4):
+                curve.observe(rows, cheap_drafter(rows))
+    assert any(ctl.draft_shapes(one)[0].nodes for _ in range(REUSE_STEPS))
 
 
 def test_no_drafts_before_anything_was_measured():

@@ -49,6 +49,7 @@ TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bo
 PROBE_EVERY = 32  # steps between two probes of another plan (keeps its figures fresh)
 MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
+ALPHA_SLACK = 0.03  # the acceptance a choice stands through
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
@@ -111,21 +112,26 @@ class _Step:
     prompt_rows: int
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
-    def key(self) -> tuple:
-        """What the choice reads, coarsened: alphas to 0.02, catch-up rows to quarter octaves."""
-        return (
-            tuple(sorted(self.counts.items())),
-            self.prompt_rows,
-            tuple(sorted((c, round(a * 50)) for c, a in self.alphas.items())),
-            tuple(sorted((c, int(4 * math.log2(1 + b))) for c, b in self.behind.items())),
-        )
+    def near(self, other: _Step) -> bool:
+        """Whether a choice priced reading ``other`` stands for this step: the same batch and
+        prompt rows, each class's acceptance within ``ALPHA_SLACK`` and its catch-up rows a
+        request within a factor of four (one more or fewer draft accepted last round moves
+        them; a request arriving with its whole prompt to catch up on does not stay near)."""
+        if self.counts != other.counts or self.prompt_rows != other.prompt_rows:
+            return False
+        for c, n in self.counts.items():
+            if abs(self.alphas[c] - other.alphas[c]) > ALPHA_SLACK:
+                return False
+            if abs(math.log2((1 + self.behind[c] / n) / (1 + other.behind[c] / n))) > 2:
+                return False
+        return True
 
 
 @dataclass
 class _Choice:
     """A choice that later steps reading about the same reuse, with its estimates."""
 
-    key: tuple
+    read: _Step
     plan: Shapes
     estimates: tuple[tuple[float, float | None], tuple[float, float | None]]
     steps_left: int
@@ -139,7 +145,8 @@ class DraftController:
         self.shapes = shapes
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
-        self.drafter = RowCosts()
+        self.catch_up = RowCosts()  # the drafter's first pass, up to the roots' logits
+        self.depth = RowCosts()  # one of its passes per depth after the first, sampling included
         # the rest of a step (sampling, bookkeeping) by the target's rows, drafted or not
         self.rest_plain = RowCosts()
         self.rest_drafting = RowCosts()
@@ -148,6 +155,7 @@ class DraftController:
         self._class_of: dict[str, SamplingClass] = {}
         self._steps: defaultdict[int, int] = defaultdict(int)
         self._choice: _Choice | None = None
+        self._idle = 0  # steps since a plan last drafted (the probes' loss is paid from it)
         # the chosen plans' expected tokens and seconds, and those of no drafts, summed
         self.expected = [0.0, 0.0, 0.0, 0.0]
 
@@ -191,11 +199,11 @@ class DraftController:
             return None
         catch_up = sum(behind[c] for c in counts if behind and plan[c].nodes)
         if catch_up:
-            t += self.drafter.seconds(catch_up) or 0.0
+            t += self.catch_up.seconds(catch_up) or 0.0
         depth = max(s.depth for s in plan.values())
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
-            t += self.drafter.seconds(beam) or 0.0
+            t += self.depth.seconds(beam) or 0.0
         plain_rows = prompt_rows + sum(counts.values())
         rest = self.rest_plain.seconds(plain_rows) or 0.0
         if depth:  # at least what the same step without drafts pays
@@ -223,19 +231,20 @@ class DraftController:
         n = len(requests)
         self._steps[n] += 1
         probe = self._steps[n] % PROBE_EVERY == 0
-        choice, key = self._choice, step.key()
-        if probe or choice is None or choice.key != key or not choice.steps_left:
+        choice = self._choice
+        if probe or choice is None or not choice.steps_left or not step.near(choice.read):
             decode_only = self.seconds(step.counts, none, 0)  # what no drafts make a second
             rate = len(requests) / (decode_only or 1.0)
             plan = self._best(step, rate, none)
             if probe:
                 plan = self._runner_up(step, rate, plan, groups)
             estimates = (self._estimate(step, plan), self._estimate(step, none))
-            choice = _Choice(key, plan, estimates, REUSE_STEPS)
+            choice = _Choice(step, plan, estimates, REUSE_STEPS)
             if not probe:  # a probe's plan is not the choice
                 self._choice = choice
         choice.steps_left -= 1
         plan = choice.plan
+        self._idle = 0 if any(s.nodes for s in plan.values()) else self._idle + 1
         for i, (tokens, seconds) in zip((0, 2), choice.estimates, strict=True):  # the effect
             if seconds:
                 self.expected[i] += tokens
@@ -297,8 +306,10 @@ class DraftController:
         """The plan to probe instead of ``plan``. A plan that drafts: no drafts, whose price
         every choice is weighed against (an over-priced one would keep drafts running that
         lose). Else the best plan that differs in the largest class's shape, unless it is
-        expected to lose more than a tenth of a token a request (then ``plan`` again); a probe
-        drafts for one step, so it is charged the drafter's whole lag, not a share of it."""
+        expected to lose more than a tenth of a token a request for every ``PROBE_EVERY`` steps
+        since drafts last ran (then ``plan`` again): so drafts priced too dear by a slow moment
+        are measured again, the probes costing at most that much; a probe drafts for one step,
+        so it is charged the drafter's whole lag, not a share of it."""
         if any(s.nodes for s in plan.values()):
             return {c: DraftShape() for c in plan}
         lags = {c: float(sum(r.num_tokens - r.num_draft_computed for r in rs))
@@ -315,7 +326,8 @@ class DraftController:
             return self._value(step, {**plan, c: s}, rate)
 
         pick = max(others, key=value)
-        if value(plan[c]) - value(pick) > 0.1 * sum(step.counts.values()):
+        allowed = 0.1 * sum(step.counts.values()) * max(1.0, self._idle / PROBE_EVERY)
+        if value(plan[c]) - value(pick) > allowed:
             return plan
         return {**plan, c: pick}
 
@@ -349,7 +361,9 @@ class DraftController:
         passes = 0.0
         target_rows = 0
         for model, rows, secs in result.passes:
-            (self.target if model == "target" else self.drafter).observe(rows, secs)
+            {"target": self.target, "catch-up": self.catch_up, "draft": self.depth}[model].observe(
+                rows, secs
+            )
             passes += secs
             target_rows += rows if model == "target" else 0
         if target_rows:

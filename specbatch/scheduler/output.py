@@ -91,5 +91,5 @@ class StepResult:
     # request id -> (position of the first prompt token scored, one entry per token from there)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds spent per phase, rank 0
-    # every model pass of the step: ("target" or "draft", its rows, seconds), rank 0's
+    # every model pass of the step: ("target", "catch-up" or "draft", its rows, seconds), rank 0's
     passes: list[tuple[str, int, float]] = field(default_factory=list)
