@@ -141,7 +141,9 @@ class Request:
     stop_reason: str | int | None = None
     num_computed: int = 0
     num_draft_computed: int = 0
-    drafter_hole: bool = False  # an EAGLE head lacks cached blocks it cannot catch up on
+    # its drafter keeps nothing of it and it drafts nothing (until preempted): an EAGLE head
+    # lacks cached blocks it cannot catch up on, or the drafter slept (DrafterLag) while it ran
+    drafter_off: bool = False
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     spec: SpecStats = field(default_factory=SpecStats)

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from specbatch import LLM, InvalidInputError, SamplingParams
+from specbatch.draft_shape import DraftShape
 from specbatch.model.eagle import TargetParts, detect_layout, load_eagle_head
 from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specbatch.model.loader import load_model
+from specbatch.scheduler.drafter_lag import SLEEP_AFTER
 from specbatch.stats import chi_square_gof
 from specbatch.testing.eagle_heads import make_eagle_head
 from tests.helpers import assert_full_vocab_head_has_no_d2t, exact_joint, hf_greedy
@@ -310,3 +312,39 @@ def test_auto_with_the_trained_head_equals_transformers(trained) -> None:
     llm = eagle_llm(target, head, "eagle3", k="auto")
     assert greedy_ids(llm, PROMPTS) == hf_greedy(target, PROMPTS, 24)
     assert llm.engine.metrics.spec.proposed > 0
+
+
+class NoDrafts:
+    """A policy that never wants drafts."""
+
+    shape = DraftShape.chain(3)
+
+    def draft_shapes(self, requests, prompt_rows=0):
+        return [DraftShape()] * len(requests)
+
+    def observe(self, plan, result, seconds):
+        pass
+
+
+def test_a_sleeping_head_keeps_no_features_and_the_output_is_the_targets(
+    make_checkpoint, tmp_path
+) -> None:
+    """While the policy wants no drafts the head lags, keeping the target's features of what it
+    has yet to read; once the drafter sleeps it keeps none, and the greedy output is still the
+    target's."""
+    target = make_checkpoint("llama", num_layers=2, seed=4)
+    head = make_eagle_head(tmp_path / "e3", target, "eagle3", seed=3)
+    engine = eagle_llm(target, head, "eagle3", k="auto").engine
+    engine.scheduler.policy = NoDrafts()
+    tokens = SLEEP_AFTER + 20
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in PROMPTS]
+    drafter = engine.executor.worker.drafter
+    got: dict[str, list[int]] = {}
+    kept = []
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        kept.append(len(drafter.pending))
+    assert kept[SLEEP_AFTER - 1] == len(PROMPTS) and kept[SLEEP_AFTER + 1] == 0
+    assert [got[i] for i in ids] == hf_greedy(target, PROMPTS, tokens)
+    assert engine.num_free_kv_blocks == engine.num_kv_blocks

@@ -6,9 +6,11 @@ accepts a random number of drafts, which is all the scheduler can observe of a r
 
 import random
 
+from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import FinishReason, Request
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.drafter_lag import SLEEP_AFTER
 from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraft
@@ -299,3 +301,58 @@ def test_a_preempted_request_starts_again_from_position_zero():
             assert second.draft_token_ids[: len(tokens) - 1] == tokens[1:]
         else:
             assert first.draft_token_ids == second.draft_token_ids == []
+
+
+class DraftsWhenFew:
+    """A policy that wants a chain of 2 for fewer than 4 requests, none for more."""
+
+    shape = DraftShape.chain(2)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def draft_shapes(self, requests, prompt_rows=0):
+        self.calls += 1
+        return [self.shape if len(requests) < 4 else DraftShape()] * len(requests)
+
+    def observe(self, plan, result, seconds):
+        pass
+
+
+def step(sched: Scheduler, rng: random.Random) -> SchedulerOutput:
+    plan = sched.schedule()
+    sched.update(plan, simulate(plan, rng))
+    return plan
+
+
+def test_a_drafter_wanted_for_nothing_sleeps_and_wakes_when_the_batch_halves():
+    """After SLEEP_AFTER policy calls wanting no drafts, every running request and every one
+    admitted while asleep has its drafter off and the policy is no longer asked; once half the
+    requests are gone the drafter wakes, and a request admitted then drafts again."""
+    rng = random.Random(0)
+    sched, kv = make_scheduler(num_blocks=512, block_size=4, max_seqs=16, max_len=512, k=2)
+    policy = sched.policy = DraftsWhenFew()
+    for i in range(8):
+        sched.add_request(request(f"r{i}", prompt_len=3, max_tokens=300, max_len=512))
+    step(sched, rng)  # the prompts
+    for _ in range(SLEEP_AFTER - 1):
+        step(sched, rng)
+        assert not any(r.drafter_off for r in sched.running)
+    plan = step(sched, rng)
+    assert policy.calls == SLEEP_AFTER
+    assert all(r.drafter_off for r in sched.running)
+    sched.add_request(request("late", prompt_len=3, max_tokens=300, max_len=512))
+    plan = step(sched, rng)
+    plan = step(sched, rng)
+    assert all(sr.drafter_off and not sr.num_draft for sr in plan.requests)
+    assert len(plan.requests) == 9 and policy.calls == SLEEP_AFTER  # not asked while asleep
+    sched.abort(["late", *(f"r{i}" for i in range(4))])  # 4 left of the 8 it slept with
+    sched.add_request(request("new", prompt_len=3, max_tokens=300, max_len=512))
+    step(sched, rng)  # wakes; admits "new", whose drafter is on
+    plan = step(sched, rng)
+    by_id = {sr.request_id: sr for sr in plan.requests}
+    assert not by_id["new"].drafter_off and by_id["new"].num_draft == 2
+    assert all(by_id[f"r{i}"].drafter_off and not by_id[f"r{i}"].num_draft for i in range(4, 8))
+    assert policy.calls == SLEEP_AFTER + 1  # asked about "new" alone
+    run_to_completion(sched, kv, rng)
+    assert kv.num_free_blocks == kv.num_blocks

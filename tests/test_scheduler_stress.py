@@ -95,7 +95,7 @@ def test_random_mixes_with_forks_and_preemption_always_finish(draft_input, cachi
             plan = sched.schedule()
             assert plan.requests, f"seed {seed}: nothing scheduled while requests wait"
             hits += plan.prefix_cache_hits
-            holes += sum(r.drafter_hole for r in sched.running)
+            holes += sum(r.drafter_off for r in sched.running)
             for req in sched.update(plan, worker.step(plan)):
                 if req.is_finished:
                     finished[req.request_id] = req

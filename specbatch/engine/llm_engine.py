@@ -290,7 +290,8 @@ class LLMEngine:
         result = self.executor.execute(plan)
         touched = self.scheduler.update(plan, result)
         seconds = time.perf_counter() - start
-        self.scheduler.policy.observe(plan, result, seconds)
+        if not self.scheduler.lag.asleep:  # a sleeping drafter's policy learns nothing
+            self.scheduler.policy.observe(plan, result, seconds)
         self.metrics.on_step(plan, result, seconds)
         return failed + self._outputs_of(touched)
 

@@ -6,12 +6,24 @@ lets it lag, at no draft work. With the prefix cache, while drafts are being mad
 within a block, as a block is then published once the drafter holds it too; while none are, or
 once it has fallen behind a published block, blocks are published when the target holds them
 and marked as the drafter's as it catches up.
+
+A drafter that keeps lagging costs something all the same: the policy prices every step, and an
+EAGLE head keeps the target's features of every position it has yet to read. After
+``SLEEP_AFTER`` policy calls in a row that wanted no drafts, the drafter sleeps: every running
+request, and every request admitted while it sleeps, is ``drafter_off`` (it drafts nothing for
+the rest of its run, and its drafter keeps nothing of it), so the policy is no longer asked and
+the step is plain decoding. It wakes once the running requests are half as many as when it fell
+asleep, or after ``WAKE_AFTER`` steps: requests admitted from then on have a drafter again and
+the policy decides for them afresh.
 """
 
 from __future__ import annotations
 
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
+
+SLEEP_AFTER = 16  # policy calls in a row wanting no drafts before the drafter sleeps
+WAKE_AFTER = 512  # steps it sleeps at most
 
 
 def is_prompt_chunk(req: Request, n: int) -> bool:
@@ -26,6 +38,37 @@ class DrafterLag:
         self.kv = kv
         self.draft_input = draft_input
         self.idle = False  # the last policy call wanted no drafts at all
+        self.quiet = 0  # policy calls in a row that wanted none
+        self.asleep_with: int | None = None  # running requests when it fell asleep
+        self.slept = 0  # steps asleep
+
+    @property
+    def asleep(self) -> bool:
+        return self.asleep_with is not None
+
+    def wanted(self, drafts: bool, running: list[Request]) -> None:
+        """After a policy call: whether it wanted any drafts; sleeps after ``SLEEP_AFTER``
+        calls in a row that wanted none, turning the drafter of every running request off."""
+        self.idle = not drafts
+        self.quiet = 0 if drafts else self.quiet + 1
+        if self.quiet < SLEEP_AFTER or self.draft_input == "none":
+            return
+        self.asleep_with, self.slept, self.quiet = len(running), 0, 0
+        for req in running:
+            req.drafter_off = True
+
+    def tick(self, running: int) -> None:
+        """Once a step, with the requests running: wakes when due."""
+        if self.asleep_with is None:
+            return
+        self.slept += 1
+        if running <= self.asleep_with // 2 or self.slept >= WAKE_AFTER:
+            self.asleep_with = None
+
+    def admitted(self, req: Request) -> None:
+        """A request admitted while the drafter sleeps has it off."""
+        if self.asleep_with is not None:
+            req.drafter_off = True
 
     def draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
         """What the drafter's KV cache catches up on this step, the target taking ``n`` tokens
@@ -33,7 +76,7 @@ class DrafterLag:
         head has a hole (``PrefixSharing.start``) gets nothing."""
         if (
             self.draft_input == "none"
-            or req.drafter_hole
+            or req.drafter_off
             or not (
                 drafts or (is_prompt_chunk(req, n) and not self.idle) or self._owes_blocks(req, end)
             )

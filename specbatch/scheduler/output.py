@@ -30,7 +30,8 @@ class ScheduledRequest:
     ``sample`` is set (they reach the last known token), verifies ``num_draft`` draft tokens after
     them (a chain, or a tree of that many nodes: ``draft_shape``) and emits 1 .. depth + 1
     tokens. The draft first catches up on ``draft_token_ids`` at positions ``draft_start ..``,
-    then proposes.
+    then proposes. ``drafter_off``: the drafter keeps nothing of this request, which will never
+    draft again.
     """
 
     request_id: str
@@ -42,6 +43,7 @@ class ScheduledRequest:
     sample: bool
     block_table: list[int]
     draft_shape: DraftShape | None = None  # None: a chain of num_draft tokens
+    drafter_off: bool = False
 
     @property
     def shape(self) -> DraftShape:

@@ -55,7 +55,7 @@ class PrefixSharing:
         K/V there read that token): the target recomputes its feature, which the head then
         reads with the request's own next token. The block holding the first position it
         computes is copied first when it is cached."""
-        req.drafter_hole = False
+        req.drafter_off = False
         if not self.queries_cache(req):
             return 0, None
         kv, bs, n = self.kv, self.kv.block_size, req.num_tokens
@@ -80,7 +80,7 @@ class PrefixSharing:
         # an EAGLE head reads the target's features of every position, which the request's
         # target never computes for cached blocks: past a block only the target holds, it
         # cannot catch up, and the request drafts nothing (a draft model reads tokens)
-        req.drafter_hole = self.draft_input == "features" and req.num_draft_computed < resume
+        req.drafter_off = self.draft_input == "features" and req.num_draft_computed < resume
         return resume, copy
 
     def _in_flight(self, key: bytes) -> bool:

@@ -177,6 +177,7 @@ class Scheduler:
                     sample=end == req.num_tokens,
                     block_table=list(self.kv.block_table(rid)),
                     draft_shape=None if shape.is_chain else shape,
+                    drafter_off=req.drafter_off,
                 )
             )
         return out
@@ -241,14 +242,15 @@ class Scheduler:
         """Drafts for decoding requests, within length limits, budget and free blocks."""
         if not self.speculative:
             return {}
+        self.lag.tick(len(self.running))
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
-        holes = sum(r.drafter_hole for r in decoding)
-        decoding = [r for r in decoding if not r.drafter_hole]
+        holes = sum(r.drafter_off for r in decoding)
+        decoding = [r for r in decoding if not r.drafter_off]
         if not decoding:
             return {}
         shapes: dict[str, DraftShape] = {}
         wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget) + holes)
-        self.lag.idle = not any(w.nodes for w in wants)
+        self.lag.wanted(any(w.nodes for w in wants), self.running)
         for req, want in zip(decoding, wants, strict=True):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
@@ -300,13 +302,14 @@ class Scheduler:
                 if shared:  # give the shared blocks back until it can run
                     self.kv.free(req.request_id)
                     req.num_computed = req.num_draft_computed = 0
-                    req.drafter_hole = False
+                    req.drafter_off = False
                 self.waiting.appendleft(req)
                 break
             if self.prefix is not None:
                 self.prefix.admitted(req, copy)
             self._fork_of.pop(req.request_id, None)
             req.status = RequestStatus.RUNNING
+            self.lag.admitted(req)
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
@@ -334,7 +337,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed = 0
         req.num_draft_computed = 0
-        req.drafter_hole = False
+        req.drafter_off = False
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -113,13 +113,22 @@ class EagleProposer(Drafter):
     def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
         """Keep the features of the positions the target processed and kept (a prompt chunk's
         rows, or a decoding request's last token and its accepted drafts), after those the
-        head has not caught up on yet: it lags while the policy gives a request no drafts."""
+        head has not caught up on yet: it lags while the policy gives a request no drafts.
+        Nothing of a request whose drafter is off."""
+        on = []
+        for r, kept_rows in zip(step.requests, outcome.kept_rows, strict=True):
+            if r.drafter_off:
+                self.pending.pop(r.request_id, None)
+            else:
+                on.append((r, kept_rows))
+        if not on:
+            return
         assert outcome.target is not None
-        rows = [row for kept in outcome.kept_rows for row in kept]
+        rows = [row for _, kept in on for row in kept]
         index = torch.tensor(rows, dtype=torch.int64, device=outcome.target.features.device)
         new = outcome.target.features.index_select(0, index)  # one copy for the whole step
         at = 0
-        for r, kept_rows in zip(step.requests, outcome.kept_rows, strict=True):
+        for r, kept_rows in on:
             kept = self.pending.get(r.request_id)
             if kept is None or kept.end != r.target_start:  # new, or recomputed from the start
                 kept = self.pending[r.request_id] = KeptFeatures(r.target_start)

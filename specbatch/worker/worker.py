@@ -280,7 +280,9 @@ class Worker:
         if scored:
             extra = [row + k for _, _, row, n in scored for k in range(n)]
             rows = torch.cat([rows, torch.tensor(extra, dtype=torch.int64, device=self.device)])
-        streams = self.drafter.feature_layers if self.drafter is not None else None
+        streams = None  # the features a drafter reads, when one keeps any request's
+        if self.drafter is not None and not all(r.drafter_off for r in reqs):
+            streams = self.drafter.feature_layers
         logits, features = self.target.forward_features(
             layout.inputs, rows if rows.numel() else None, streams
         )
