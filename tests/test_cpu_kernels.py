@@ -17,6 +17,7 @@ from specbatch.model.layers.cpu_attention import CpuAttentionBackend
 from specbatch.model.layers.norm import RMSNorm
 from specbatch.model.layers.rotary import RotaryEmbedding
 from specbatch.model.loader import load_model
+from specbatch.worker.rejection_sampler import rejection_sample, rejection_sample_reference
 from specbatch.worker.sampler import sample_reference
 
 KERNELS = cpu_kernels()
@@ -188,6 +189,38 @@ def test_sampling_is_the_torch_reference_token_for_token(kern: CpuKernels) -> No
     p[1, 5] = float("nan")
     token = kern.sample_rows(p, torch.rand(3, generator=g))
     assert ((token >= 0) & (token < 100)).all()
+
+
+def test_rejection_rule_is_the_torch_reference_token_for_token(kern: CpuKernels) -> None:
+    """The same accepted counts and tokens as ``rejection_sample_reference``: drafts the draft
+    favours (mostly accepted) and ones it does not, ragged chains, point masses (no q), rows
+    where p equals q (no residual mass), NaN in padding and in a residual."""
+    g = torch.Generator().manual_seed(1)
+    accepted = rejected = 0
+    for trial in range(300):
+        b, gamma, v = 1 + trial % 5, trial % 4, (3, 50, 4096)[trial % 3]
+        p = torch.softmax(torch.randn(b, gamma + 1, v, generator=g) * 2, dim=-1)
+        noise = torch.randn(b, gamma, v, generator=g) * (0.2 if trial % 2 else 3.0)
+        q = torch.softmax(torch.log(p[:, :gamma]) + noise, dim=-1)
+        if trial % 7 == 0 and gamma:
+            q[0, 0] = p[0, 0]  # no residual mass at the first draft
+        ids = torch.multinomial(q.reshape(-1, v), 1, generator=g).view(b, gamma) if gamma else (
+            torch.zeros(b, 0, dtype=torch.int64))  # fmt: skip
+        counts = torch.randint(0, gamma + 1, (b,), generator=g)
+        for r in range(b):  # padding past a request's drafts may hold anything
+            p[r, counts[r] + 1 :] = float("nan")
+            q[r, counts[r] :] = float("nan")
+        if trial % 11 == 0 and gamma:
+            q[0, 0, 1] = float("nan")  # a NaN residual falls back to p
+        au, fu = torch.rand(b, gamma, generator=g), torch.rand(b, generator=g)
+        for qq in (q, None) if trial % 3 else (q,):
+            got = rejection_sample(ids, counts, qq, p, au, fu)
+            ref = rejection_sample_reference(ids, counts, qq, p, au, fu)
+            assert torch.equal(got.num_accepted, ref.num_accepted), trial
+            assert torch.equal(got.token_ids, ref.token_ids), trial
+            accepted += int(got.num_accepted.sum())
+            rejected += int((got.num_accepted < counts).sum())
+    assert accepted > 100 and rejected > 100  # both paths were taken
 
 
 # --- whole model ------------------------------------------------------------------------

@@ -477,6 +477,7 @@ def test_wrong_residual_is_detected(monkeypatch: pytest.MonkeyPatch, bug: Callab
     p, q = far_pair()
     assert total_variation(exact_first_token(p, q, q, bug), p) >= 0.04
     monkeypatch.setattr(rs_module, "residual_distribution", bug)
+    monkeypatch.setattr(rs_module, "cpu_kernels", lambda: None)  # the torch rule
     gen = torch.Generator().manual_seed(11)
     tokens, _ = first_token_trial(p, q, gen, None)
     assert first_token_p_value(tokens, p) < ALPHA / 2
@@ -603,6 +604,7 @@ def test_whole_sequences_match_plain_sampling() -> None:
 
 def test_whole_sequences_catch_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rs_module, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(rs_module, "cpu_kernels", lambda: None)  # the torch rule
     gen, target, draft = markov_setup("markov", salted=False)
     seqs = generate_markov(target, draft, 3, gen)
     assert sequence_p_value(seqs, target) < ALPHA

@@ -113,6 +113,7 @@ def test_fails_on_a_correction_token_drawn_from_p(
     pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rejection_sampler, "residual_distribution", _residual_from_p)
+    monkeypatch.setattr(rejection_sampler, "cpu_kernels", lambda: None)  # the torch rule
     report = _tiny(pair, num_samples=2000)
     assert report.verdict == "FAIL", format_report(report)
 
@@ -140,6 +141,7 @@ def test_cli_fails_on_the_builtin_pair_with_a_planted_bug(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rejection_sampler, "residual_distribution", _residual_from_q)
+    monkeypatch.setattr(rejection_sampler, "cpu_kernels", lambda: None)  # the torch rule
     assert main(["verify", "--num-samples", str(BUILTIN_SAMPLES), "--no-progress"]) == 1
     out = capsys.readouterr().out
     assert "FAIL (p-value" in out and "< alpha 0.001, at token" in out, out

@@ -162,6 +162,38 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
+    def rejection_sample(
+        self,
+        draft_ids: torch.Tensor,
+        num_draft: torch.Tensor,
+        q: torch.Tensor | None,
+        p: torch.Tensor,
+        accept_u: torch.Tensor,
+        final_u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rejection_sampler.rejection_sample`` for float32 p [B, G+1, V] and q [B, G, V]
+        (None: point masses): (tokens [B, G+1], accepted [B]), the same as its torch ops."""
+        batch, gamma = draft_ids.shape
+        v = p.shape[-1]
+        if p.stride(-1) != 1:
+            p = p.contiguous()
+        if q is not None and q.stride(-1) != 1:
+            q = q.contiguous()
+        ids = draft_ids.to(torch.int64).contiguous()
+        counts = num_draft.to(torch.int64).contiguous()
+        au = accept_u.to(torch.float32).contiguous()
+        fu = final_u.to(torch.float32).contiguous()
+        tokens = torch.empty((batch, gamma + 1), dtype=torch.int64)
+        accepted = torch.empty(batch, dtype=torch.int64)
+        scratch = torch.empty(v, dtype=torch.float32)
+        qp, qsb, qsr = (0, 0, 0) if q is None else (q.data_ptr(), q.stride(0), q.stride(1))
+        self._m.rejection_sample(
+            batch, gamma, v, ids.data_ptr(), counts.data_ptr(), p.data_ptr(), p.stride(0),
+            p.stride(1), qp or None, qsb, qsr, au.data_ptr(), fu.data_ptr(), scratch.data_ptr(),
+            tokens.data_ptr(), accepted.data_ptr(),
+        )  # fmt: skip
+        return tokens, accepted
+
     # ---- attention ---------------------------------------------------------------------------
     @staticmethod
     def kv_cache_shapes(

@@ -6,8 +6,10 @@ emits one token from the residual `max(0, p_n - q_n)`; if every draft is accepte
 comes from `p` at position `num_draft[b]`. Every request therefore emits `num_accepted + 1` tokens,
 distributed exactly as sampling from `p` token by token.
 
-Everything is batched torch ops over [B, G] and [B, G+1, V]: no Python loop over requests or
-positions, no host sync, no random draws (the uniforms come from each request's own generator).
+On a GPU everything is batched torch ops over [B, G] and [B, G+1, V]: no Python loop over
+requests or positions, no host sync; on the CPU one kernel call (csrc/rejection.c) does the same
+arithmetic request by request. No random draws either way: the uniforms come from each
+request's own generator.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.kernels.cpu import cpu_kernels
 from specbatch.worker.sampler import sample
 
 
@@ -74,6 +77,32 @@ def rejection_sample(
             f"rejection_sample: draft_probs {q_shape} must be [B, G, V] and "
             f"target_probs {tuple(target_probs.shape)} [B, G+1, V] with B={batch}, G={gamma}"
         )
+    kernels = cpu_kernels()
+    if (
+        kernels is not None
+        and target_probs.device.type == "cpu"
+        and target_probs.dtype == torch.float32
+        and (draft_probs is None or draft_probs.dtype == torch.float32)
+    ):
+        tokens, accepted = kernels.rejection_sample(
+            draft_token_ids, num_draft, draft_probs, target_probs, accept_u, final_u
+        )
+        return RejectionResult(token_ids=tokens, num_accepted=accepted, num_emitted=accepted + 1)
+    return rejection_sample_reference(
+        draft_token_ids, num_draft, draft_probs, target_probs, accept_u, final_u
+    )
+
+
+def rejection_sample_reference(
+    draft_token_ids: torch.Tensor,
+    num_draft: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    accept_u: torch.Tensor,
+    final_u: torch.Tensor,
+) -> RejectionResult:
+    """``rejection_sample`` in torch ops (what the CPU kernel computes, any device)."""
+    batch, gamma = draft_token_ids.shape
     device = draft_token_ids.device
     if gamma == 0:  # nothing drafted: the token is p's
         token = sample(target_probs[:, 0], final_u)

@@ -50,4 +50,13 @@ int sb_attention_tree_rows(void);
 /* sampling.c: one token per row of probs [rows, v] (rows ld apart), u [rows] in [0, 1) */
 void sb_sample_rows(int rows, int v, const float* probs, long ld, const float* u, int64_t* out);
 
+/* rejection.c: a chain's rejection rule for each of batch requests (rejection_sampler.py):
+ * p [batch, gamma + 1, v] and q [batch, gamma, v] (NULL: point masses) with the given batch and
+ * row strides, residual a scratch row of v; tokens [batch, gamma + 1], accepted [batch] */
+void sb_rejection_sample(int batch, int gamma, int v, const int64_t* draft_ids,
+                         const int64_t* num_draft, const float* p, long p_sb, long p_sr,
+                         const float* q, long q_sb, long q_sr, const float* accept_u,
+                         const float* final_u, float* residual, int64_t* tokens,
+                         int64_t* accepted);
+
 #endif

@@ -67,6 +67,9 @@ WRAP(paged_attention, "ipppipiiiippifpppi",
                         I(12), F(13), P(14), P(15), P(16), I(17)))
 
 WRAP(sample_rows, "iipipp", sb_sample_rows(I(0), I(1), P(2), L(3), P(4), P(5)))
+WRAP(rejection_sample, "iiipppiipiippppp",
+     sb_rejection_sample(I(0), I(1), I(2), P(3), P(4), P(5), L(6), L(7), P(8), L(9), L(10), P(11),
+                         P(12), P(13), P(14), P(15)))
 
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
@@ -80,6 +83,7 @@ static PyObject* py_info(PyObject* self, PyObject* unused) {
 static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
     FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
+    FAST(rejection_sample),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
