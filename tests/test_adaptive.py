@@ -108,6 +108,28 @@ def test_chain_tokens_is_theorys_formula():
     assert tree_bound(0.6, tree) > chain_tokens(0.6, 4)  # more children per level, more tokens
 
 
+def test_chain_tokens_reads_an_acceptance_per_depth():
+    assert chain_tokens([0.8, 0.5, 0.25], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert chain_tokens([0.8, 0.5], 4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)  # the last on
+
+
+def test_drafts_accepted_less_deeper_in_the_chain_shorten_it():
+    """Two classes accept 3 drafts in 4 overall; one at every depth alike, the other 0.9 at
+    depths 1-2 and 0.2 beyond: the first drafts the deepest chain, the second stops at 2."""
+    ctl = priced(ladder(4, 1, 4))
+    flat, steep = GREEDY, SamplingParams(temperature=0.7, max_tokens=200)
+    for params, depth_rates in ((flat, [0.75] * 4), (steep, [0.9, 0.9, 0.2, 0.2])):
+        req = make_request("a", params)
+        cls = (0.0, 1.0, 0, 0.0) if params.greedy else (0.7, 1.0, 0, 0.0)
+        tested = [10_000 * 0.9 ** d for d in range(4)]
+        ctl.by_depth[cls] = [[a * n, n] for a, n in zip(depth_rates, tested, strict=True)]
+        acc = sum(a * n for a, n in zip(depth_rates, tested, strict=True))
+        ctl.tested[cls] = [acc, acc / 0.75]
+        ctl._choice = None
+        shape = ctl.draft_shapes([req])[0]
+        assert shape.depth == (4 if params is flat else 2), (params, shape)
+
+
 def test_a_trees_measured_yield_replaces_its_bound():
     tree = DraftShape(3, 2, 6)
     ctl = DraftController(ladder(3, 2, 6))

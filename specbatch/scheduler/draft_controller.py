@@ -8,10 +8,14 @@ output law is the target's whatever it picks.
 
 Tokens. A request's ``alpha`` (accepted / tested drafts) leans on its sampling class's rate
 (``PRIOR_WEIGHT`` pseudo-tests), which leans on the rate of every class, starting at
-``PRIOR_ALPHA``. A chain of k drafts yields ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens a
-round (THEORY.md). A tree of depth D accepts a level with at most ``1 - (1 - a)^b`` (b its
-children per level); its expectation from that bound is replaced, as rounds come in, by what
-trees of that shape yielded in its class.
+``PRIOR_ALPHA``. A draft deeper in a chain is accepted less often (the drafter reads more of its
+own guesses), so each class also counts its chains' tests and acceptances at each depth: the
+acceptance at depth d is that rate (leaning on the class's rate), scaled by how far the
+requests' own rate stands from the class's. A chain of k drafts yields
+``1 + a_1 + a_1 a_2 + ... + a_1 ... a_k`` tokens a round, THEORY.md's
+``E(a, k) = (1 - a^(k+1)) / (1 - a)`` when every ``a_d`` is ``a``. A tree of depth D accepts
+level d with at most ``1 - (1 - a_d)^b`` (b its children per level); its expectation from that
+bound is replaced, as rounds come in, by what trees of that shape yielded in its class.
 
 Seconds. A step costs the target's pass over all its rows (the prompt chunks it carries
 included, and what admissions will add), the drafter's passes (its first over what it catches
@@ -54,6 +58,7 @@ ALPHA_SLACK = 0.03  # the acceptance a choice stands through
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
 Alphas = dict[SamplingClass, float]
+Rates = tuple[float, ...]  # the acceptance at each depth 1, 2, ...
 Shapes = dict[SamplingClass, DraftShape]  # a plan: each class's shape
 
 
@@ -68,17 +73,23 @@ def lean(accepted: float, tested: float, prior: float, weight: float = PRIOR_WEI
     return (accepted + weight * prior) / (tested + weight)
 
 
-def chain_tokens(alpha: float, k: int) -> float:
-    """THEORY.md's expected tokens a round of a k-draft chain at acceptance ``alpha``."""
-    return sum(alpha**i for i in range(k + 1))
+def chain_tokens(alpha: float | Sequence[float], k: int) -> float:
+    """Expected tokens a round of a k-draft chain accepted at ``alpha`` at every depth
+    (THEORY.md's formula) or at ``alpha[d - 1]`` at depth d (the last rate for deeper ones)."""
+    rates = [alpha] * k if isinstance(alpha, float | int) else alpha
+    tokens = reach = 1.0
+    for d in range(k):
+        reach *= rates[min(d, len(rates) - 1)]
+        tokens += reach
+    return tokens
 
 
-def tree_bound(alpha: float, shape: DraftShape) -> float:
+def tree_bound(alpha: float | Sequence[float], shape: DraftShape) -> float:
     """Tokens a round of a tree, were its levels accepted independently with ``b`` children
     each (an upper bound: siblings are correlated)."""
     b = max(1.0, min(shape.topk, shape.nodes / max(shape.depth, 1)))
-    level = 1.0 - (1.0 - alpha) ** b
-    return chain_tokens(level, shape.depth)
+    rates = [alpha] if isinstance(alpha, float | int) else alpha
+    return chain_tokens([1.0 - (1.0 - a) ** b for a in rates], shape.depth)
 
 
 def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
@@ -108,6 +119,7 @@ class _Step:
 
     counts: Counts
     alphas: Alphas
+    rates: dict[SamplingClass, Rates]
     behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
     prompt_rows: int
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
@@ -151,6 +163,8 @@ class DraftController:
         self.rest_plain = RowCosts()
         self.rest_drafting = RowCosts()
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
+        # class -> [accepted, tested] of its chains' drafts at each depth
+        self.by_depth: dict[SamplingClass, list[list[float]]] = {}
         self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
         self._class_of: dict[str, SamplingClass] = {}
         self._steps: defaultdict[int, int] = defaultdict(int)
@@ -160,7 +174,7 @@ class DraftController:
         self.expected = [0.0, 0.0, 0.0, 0.0]
 
     # ---- expectations --------------------------------------------------------------------
-    def alpha(self, cls: SamplingClass, requests: list[Request]) -> float:
+    def class_rate(self, cls: SamplingClass) -> float:
         """The class's acceptance, leaning on the rate over every class."""
         overall = lean(
             sum(c[0] for c in self.tested.values()),
@@ -168,18 +182,32 @@ class DraftController:
             PRIOR_ALPHA,
         )
         acc, tested = self.tested.get(cls, (0.0, 0.0))
+        return lean(acc, tested, overall)
+
+    def alpha(self, cls: SamplingClass, requests: list[Request]) -> float:
+        """The acceptance of these requests of the class, leaning on the class's."""
         own_acc = sum(r.spec.accepted for r in requests)
         own_tested = sum(r.spec.accepted + r.spec.rejections for r in requests)
-        rate = lean(acc, tested, overall)
-        return lean(own_acc, own_tested, rate)
+        return lean(own_acc, own_tested, self.class_rate(cls))
 
-    def tokens(self, cls: SamplingClass, alpha: float, shape: DraftShape) -> float:
-        """Expected tokens a round for one request of ``cls``."""
+    def depth_rates(self, cls: SamplingClass, alpha: float) -> Rates:
+        """The acceptance at each depth of requests of the class accepting ``alpha``: the
+        class's at that depth (leaning on its rate), times ``alpha`` over its rate."""
+        rate = self.class_rate(cls)
+        counts = self.by_depth.get(cls, [])
+        scale = alpha / rate
+        return tuple(
+            min(1.0, scale * lean(*(counts[d] if d < len(counts) else (0.0, 0.0)), rate))
+            for d in range(max(self.shape.depth, 1))
+        )
+
+    def tokens(self, cls: SamplingClass, rates: Rates, shape: DraftShape) -> float:
+        """Expected tokens a round for one request of ``cls`` accepting at ``rates``."""
         if shape.nodes == 0:
             return 1.0
         if shape.is_chain:
-            return chain_tokens(alpha, shape.depth)
-        bound = tree_bound(alpha, shape)
+            return chain_tokens(rates, shape.depth)
+        bound = tree_bound(rates, shape)
         got, rounds = self.yields.get((cls, shape), (0.0, 0.0))
         return (got + TREE_PRIOR_ROUNDS * bound) / (rounds + TREE_PRIOR_ROUNDS)
 
@@ -222,10 +250,12 @@ class DraftController:
         if self.target.level is None:  # nothing priced yet
             return [DraftShape()] * len(requests)
         alphas = {c: self.alpha(c, rs) for c, rs in groups.items()}
+        rates = {c: self.depth_rates(c, a) for c, a in alphas.items()}
         step = _Step(
             counts={c: len(rs) for c, rs in groups.items()},
             alphas=alphas,
-            behind={c: self._catch_up(rs, alphas[c]) for c, rs in groups.items()},
+            rates=rates,
+            behind={c: self._catch_up(rs, rates[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
         )
         n = len(requests)
@@ -251,13 +281,13 @@ class DraftController:
                 self.expected[i + 1] += seconds
         return [plan[sampling_class(r)] for r in requests]
 
-    def _catch_up(self, requests: list[Request], alpha: float) -> float:
+    def _catch_up(self, requests: list[Request], rates: Rates) -> float:
         """The rows the drafter's first pass reads for ``requests`` before drafting, as a
         charge on this round: a round's own tokens in full; what the drafter lags beyond them
         (it does while a request drafts nothing) serves every later round of its request too,
         so it is spread over the rounds the request has left (at the deepest chain's tokens a
         round)."""
-        per_round = chain_tokens(alpha, self.shape.depth)
+        per_round = chain_tokens(rates, self.shape.depth)
         charge = 0.0
         for r in requests:
             lag = r.num_tokens - r.num_draft_computed
@@ -271,7 +301,7 @@ class DraftController:
         got = step.memo.get(key)
         if got is None:
             counts = step.counts
-            tokens = sum(n * self.tokens(c, step.alphas[c], plan[c]) for c, n in counts.items())
+            tokens = sum(n * self.tokens(c, step.rates[c], plan[c]) for c, n in counts.items())
             got = step.memo[key] = (
                 tokens,
                 self.seconds(counts, plan, step.prompt_rows, step.behind),
@@ -354,7 +384,15 @@ class DraftController:
             counts = self.tested.setdefault(cls, [0.0, 0.0])
             counts[0] += r.num_accepted
             counts[1] += r.num_accepted + rejected
-            if not shape.is_chain:
+            if shape.is_chain:  # drafts 1 .. accepted + 1 were tested, 1 .. accepted passed
+                depths = self.by_depth.setdefault(cls, [])
+                tested = min(r.num_accepted + rejected, r.num_proposed)
+                while len(depths) < tested:
+                    depths.append([0.0, 0.0])
+                for d in range(tested):
+                    depths[d][0] += d < r.num_accepted
+                    depths[d][1] += 1
+            else:
                 y = self.yields.setdefault((cls, shape), [0.0, 0.0])
                 y[0] += r.num_accepted + 1
                 y[1] += 1
