@@ -121,7 +121,7 @@ def test_drafts_accepted_less_deeper_in_the_chain_shorten_it():
     for params, depth_rates in ((flat, [0.75] * 4), (steep, [0.9, 0.9, 0.2, 0.2])):
         req = make_request("a", params)
         cls = (0.0, 1.0, 0, 0.0) if params.greedy else (0.7, 1.0, 0, 0.0)
-        tested = [10_000 * 0.9 ** d for d in range(4)]
+        tested = [10_000 * 0.9**d for d in range(4)]
         ctl.by_depth[cls] = [[a * n, n] for a, n in zip(depth_rates, tested, strict=True)]
         acc = sum(a * n for a, n in zip(depth_rates, tested, strict=True))
         ctl.tested[cls] = [acc, acc / 0.75]
