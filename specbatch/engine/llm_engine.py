@@ -95,7 +95,16 @@ class LLMEngine:
         kind = DRAFTERS.get(spec.method)
         if spec.auto:
             largest = spec.shape
-            policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
+            share = 0.0  # a drafter pass against a target pass, until one is measured
+            if config.draft is not None:
+                from specbatch.model.llama import matmul_weights
+
+                share = matmul_weights(config.draft.hf_config) / matmul_weights(
+                    config.target.hf_config
+                )
+            policy = DraftController(
+                ladder(largest.depth, largest.topk, largest.nodes), drafter_share=share
+            )
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
