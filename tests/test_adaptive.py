@@ -186,6 +186,20 @@ def test_a_prompt_carrying_step_is_priced_at_its_margin():
     assert all(s.nodes for s in ctl.draft_shapes(reqs, prompt_rows=2000))
 
 
+def test_drafts_that_pay_only_beside_prompts_are_not_made():
+    """Where rows cost in proportion up to 64 and next to nothing beyond, drafts beside 2,000
+    prompt rows cost nearly nothing at the step's margin, but the drafter's catch-up they start
+    pays only if the requests go on drafting in steps without prompts, where they lose."""
+
+    def steep_then_flat(rows: int) -> float:
+        return 0.0002 * min(rows, 64) + 0.000001 * max(0, rows - 64)
+
+    reqs = [make_request(str(i), accepted=60, rejections=40) for i in range(32)]
+    ctl = priced(ladder(4, 1, 4), target=steep_then_flat)
+    assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=0))
+    assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2000))
+
+
 def test_draft_rows_inside_a_measured_bucket_are_not_free():
     """Beside 2,016 prompt rows, 32 requests' four drafts each add 128 rows, which fall in the
     bucket of the rows without them: on a machine where every row costs the same they still

@@ -325,9 +325,16 @@ class DraftController:
         return float("-inf") if seconds is None else tokens - rate * seconds
 
     def _best(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
-        # drafts must beat no drafts by a margin: where they barely pay, the model's errors
-        # would decide, and a wrong draft costs more than a wrong abstention
-        best = self._value(step, plan, rate) + MARGIN * sum(step.counts.values())
+        """The plan of most value; ``plan`` drafts nothing. Drafts must beat no drafts by a
+        margin: where they barely pay, the model's errors would decide, and a wrong draft
+        costs more than a wrong abstention. In a step carrying prompts they must also pay in
+        the same step without them: priced at the margin of a prompt-heavy step, drafts look
+        cheap, and the drafter's catch-up they start is worth its price only if the requests
+        go on drafting in the steps that follow, which carry fewer prompts."""
+        n = sum(step.counts.values())
+        best = self._value(step, plan, rate) + MARGIN * n
+        bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
+        floor = 0.0 if bare is None else self._value(bare, plan, rate) + MARGIN * n
         classes = sorted(step.counts, key=lambda c: -step.counts[c])
         for _ in range(1 if len(classes) == 1 else 2):
             for c in classes:
@@ -337,7 +344,7 @@ class DraftController:
                         continue  # one number of children per node in a step
                     trial = {**plan, c: shape}
                     value = self._value(step, trial, rate)
-                    if value > best:
+                    if value > best and (bare is None or self._value(bare, trial, rate) > floor):
                         plan, best = trial, value
         return plan
 
