@@ -356,3 +356,26 @@ def test_a_drafter_wanted_for_nothing_sleeps_and_wakes_when_the_batch_halves():
     assert policy.calls == SLEEP_AFTER + 1  # asked about "new" alone
     run_to_completion(sched, kv, rng)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_burst_joining_a_drafting_batch_keeps_its_prompts_from_the_drafter():
+    """The drafter reads a prompt with the target while the batch it joins is at most twice
+    the one the policy last wanted drafts for; a burst beyond that lags, to be caught up on
+    only if its requests draft."""
+    rng = random.Random(0)
+    sched, kv = make_scheduler(num_blocks=512, block_size=4, max_seqs=16, max_len=512, k=2)
+    sched.policy = DraftsWhenFew()
+    sched.add_request(request("a", prompt_len=3, max_tokens=300, max_len=512))
+    step(sched, rng)
+    step(sched, rng)  # "a" decodes and drafts: the policy wanted drafts for one request
+    sched.add_request(request("b", prompt_len=3, max_tokens=300, max_len=512))
+    plan = step(sched, rng)
+    by_id = {sr.request_id: sr for sr in plan.requests}
+    assert by_id["b"].draft_token_ids == [1, 2, 3]  # two running: read with the target
+    for i in range(8):
+        sched.add_request(request(f"burst{i}", prompt_len=3, max_tokens=300, max_len=512))
+    plan = step(sched, rng)
+    prompts = [sr for sr in plan.requests if sr.request_id.startswith("burst")]
+    assert len(prompts) == 8 and all(sr.draft_token_ids == [] for sr in prompts)
+    run_to_completion(sched, kv, rng)
+    assert kv.num_free_blocks == kv.num_blocks

@@ -1,11 +1,12 @@
 """How far a request's drafter may lag behind its target, and what follows from it.
 
 A drafter catches up on a request in the steps where it drafts for it, and on prompt chunks
-with the target unless the policy last wanted no drafts at all: a request that drafts nothing
-lets it lag, at no draft work. With the prefix cache, while drafts are being made, it lags only
-within a block, as a block is then published once the drafter holds it too; while none are, or
-once it has fallen behind a published block, blocks are published when the target holds them
-and marked as the drafter's as it catches up.
+with the target unless the policy last wanted no drafts at all, or the batch the prompt joins
+is more than twice the one the policy last wanted drafts for (a burst, which will rather decode
+plainly): a request that drafts nothing lets it lag, at no draft work. With the prefix cache,
+while drafts are being made, it lags only within a block, as a block is then published once the
+drafter holds it too; while none are, or once it has fallen behind a published block, blocks are
+published when the target holds them and marked as the drafter's as it catches up.
 
 A drafter that keeps lagging costs something all the same: the policy prices every step, and an
 EAGLE head keeps the target's features of every position it has yet to read. After
@@ -18,6 +19,8 @@ the policy decides for them afresh.
 """
 
 from __future__ import annotations
+
+import math
 
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
@@ -38,6 +41,7 @@ class DrafterLag:
         self.kv = kv
         self.draft_input = draft_input
         self.idle = False  # the last policy call wanted no drafts at all
+        self.drafting_batch = math.inf  # the requests of the last call that wanted drafts
         self.quiet = 0  # policy calls in a row that wanted none
         self.asleep_with: int | None = None  # running requests when it fell asleep
         self.slept = 0  # steps asleep
@@ -46,10 +50,13 @@ class DrafterLag:
     def asleep(self) -> bool:
         return self.asleep_with is not None
 
-    def wanted(self, drafts: bool, running: list[Request]) -> None:
-        """After a policy call: whether it wanted any drafts; sleeps after ``SLEEP_AFTER``
-        calls in a row that wanted none, turning the drafter of every running request off."""
+    def wanted(self, drafts: bool, asked: int, running: list[Request]) -> None:
+        """After a policy call about ``asked`` requests: whether it wanted any drafts; sleeps
+        after ``SLEEP_AFTER`` calls in a row that wanted none, turning the drafter of every
+        running request off."""
         self.idle = not drafts
+        if drafts:
+            self.drafting_batch = asked
         self.quiet = 0 if drafts else self.quiet + 1
         if self.quiet < SLEEP_AFTER or self.draft_input == "none":
             return
@@ -70,16 +77,15 @@ class DrafterLag:
         if self.asleep_with is not None:
             req.drafter_off = True
 
-    def draft_tokens(self, req: Request, n: int, end: int, drafts: bool) -> list[int]:
+    def draft_tokens(self, req: Request, n: int, end: int, drafts: bool, batch: int) -> list[int]:
         """What the drafter's KV cache catches up on this step, the target taking ``n`` tokens
-        up to ``end``; ``drafts``: whether the request drafts this step. A request whose EAGLE
-        head has a hole (``PrefixSharing.start``) gets nothing."""
+        up to ``end``; ``drafts``: whether the request drafts this step; ``batch``: the
+        requests running. A request whose drafter is off gets nothing."""
+        prompt = is_prompt_chunk(req, n) and not self.idle and batch <= 2 * self.drafting_batch
         if (
             self.draft_input == "none"
             or req.drafter_off
-            or not (
-                drafts or (is_prompt_chunk(req, n) and not self.idle) or self._owes_blocks(req, end)
-            )
+            or not (drafts or prompt or self._owes_blocks(req, end))
         ):
             return []
         if self.draft_input == "features":  # the positions the target processed before

@@ -164,7 +164,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             end = req.num_computed + n
-            draft_tokens = self.lag.draft_tokens(req, n, end, rid in shapes)
+            draft_tokens = self.lag.draft_tokens(req, n, end, rid in shapes, len(self.running))
             shape = shapes.get(rid, DraftShape())
             out.requests.append(
                 ScheduledRequest(
@@ -250,7 +250,7 @@ class Scheduler:
             return {}
         shapes: dict[str, DraftShape] = {}
         wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget) + holes)
-        self.lag.wanted(any(w.nodes for w in wants), self.running)
+        self.lag.wanted(any(w.nodes for w in wants), len(decoding), self.running)
         for req, want in zip(decoding, wants, strict=True):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
