@@ -186,10 +186,10 @@ class CpuKernels:
         tokens = torch.empty((batch, gamma + 1), dtype=torch.int64)
         accepted = torch.empty(batch, dtype=torch.int64)
         scratch = torch.empty(v, dtype=torch.float32)
-        qp, qsb, qsr = (0, 0, 0) if q is None else (q.data_ptr(), q.stride(0), q.stride(1))
+        qp, qsb, qsr = (None, 0, 0) if q is None else (q.data_ptr(), q.stride(0), q.stride(1))
         self._m.rejection_sample(
             batch, gamma, v, ids.data_ptr(), counts.data_ptr(), p.data_ptr(), p.stride(0),
-            p.stride(1), qp or None, qsb, qsr, au.data_ptr(), fu.data_ptr(), scratch.data_ptr(),
+            p.stride(1), qp, qsb, qsr, au.data_ptr(), fu.data_ptr(), scratch.data_ptr(),
             tokens.data_ptr(), accepted.data_ptr(),
         )  # fmt: skip
         return tokens, accepted

@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
+from specbatch.scheduler.draft_yield import chain_tokens, lean, tree_bound
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.row_costs import RowCosts
 
 PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
-PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
 TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
 PROBE_EVERY = 32  # steps between two probes of another plan (keeps its figures fresh)
 MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
@@ -66,30 +66,6 @@ def sampling_class(req: Request) -> SamplingClass:
     """Requests expected to accept drafts alike: greedy ones, or those sampled the same way."""
     p = req.sampling_params
     return (0.0, 1.0, 0, 0.0) if p.greedy else (p.temperature, p.top_p, p.top_k, p.min_p)
-
-
-def lean(accepted: float, tested: float, prior: float, weight: float = PRIOR_WEIGHT) -> float:
-    """A rate's posterior mean, with ``weight`` pseudo-tests at ``prior``."""
-    return (accepted + weight * prior) / (tested + weight)
-
-
-def chain_tokens(alpha: float | Sequence[float], k: int) -> float:
-    """Expected tokens a round of a k-draft chain accepted at ``alpha`` at every depth
-    (THEORY.md's formula) or at ``alpha[d - 1]`` at depth d (the last rate for deeper ones)."""
-    rates = [alpha] * k if isinstance(alpha, float | int) else alpha
-    tokens = reach = 1.0
-    for d in range(k):
-        reach *= rates[min(d, len(rates) - 1)]
-        tokens += reach
-    return tokens
-
-
-def tree_bound(alpha: float | Sequence[float], shape: DraftShape) -> float:
-    """Tokens a round of a tree, were its levels accepted independently with ``b`` children
-    each (an upper bound: siblings are correlated)."""
-    b = max(1.0, min(shape.topk, shape.nodes / max(shape.depth, 1)))
-    rates = [alpha] if isinstance(alpha, float | int) else alpha
-    return chain_tokens([1.0 - (1.0 - a) ** b for a in rates], shape.depth)
 
 
 def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
