@@ -153,19 +153,6 @@ def test_drafts_at_batch_one_and_stops_where_rows_cost_more_than_they_return():
             assert all(s.nodes == 0 for s in shapes)
 
 
-def test_unmeasured_drafter_passes_are_priced_by_the_models_weights():
-    """Before any drafter pass was timed, one costs ``drafter_share`` of the target's pass over
-    as many rows: where target rows are nearly free, a drafter priced at nothing drafts, one
-    as big as the target does not."""
-    reqs = [make_request(str(i), accepted=75, rejections=25) for i in range(4)]
-    for share, drafts in ((0.0, True), (1.0, False)):
-        ctl = DraftController(ladder(4, 1, 4), drafter_share=share)
-        ctl.target.observe(1, 1.0)  # a first call: left out
-        for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            ctl.target.observe(rows, memory_bound(rows))
-        assert any(s.nodes for s in ctl.draft_shapes(reqs)) == drafts, share
-
-
 def test_a_prompt_carrying_step_is_priced_at_its_margin():
     """Drafts beside a prompt pay when the rows they add cost less than decoding their tokens
     in steps of their own would: on a machine where every row costs the same, never."""

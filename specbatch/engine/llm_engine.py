@@ -95,16 +95,7 @@ class LLMEngine:
         kind = DRAFTERS.get(spec.method)
         if spec.auto:
             largest = spec.shape
-            share = 0.0  # a drafter pass against a target pass, until one is measured
-            if config.draft is not None:
-                from specbatch.model.llama import matmul_weights
-
-                share = matmul_weights(config.draft.hf_config) / matmul_weights(
-                    config.target.hf_config
-                )
-            policy = DraftController(
-                ladder(largest.depth, largest.topk, largest.nodes), drafter_share=share
-            )
+            policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,

@@ -78,16 +78,6 @@ def num_kv_heads_of(hf_config: Any) -> int:
     return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
 
 
-def matmul_weights(hf_config: Any) -> int:
-    """The weights a token's pass multiplies by: its decoder layers' projections and the LM
-    head (what a pass streams at small batches; an EAGLE head counts as its one layer)."""
-    h, d = int(hf_config.hidden_size), head_dim_of(hf_config)
-    q, kv = int(hf_config.num_attention_heads) * d, num_kv_heads_of(hf_config) * d
-    layer = h * (q + 2 * kv) + q * h + 3 * h * int(hf_config.intermediate_size)
-    vocab = int(getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size)
-    return int(hf_config.num_hidden_layers) * layer + h * vocab
-
-
 def sliding_window_of(hf_config: Any) -> int | None:
     """The attention window if any layer uses one (not implemented: cap max_model_len to it)."""
     window = getattr(hf_config, "sliding_window", None)

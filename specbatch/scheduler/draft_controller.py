@@ -129,11 +129,8 @@ class DraftController:
     """Per step and sampling class, a shape from ``ladder``; within the free KV blocks the
     scheduler grants what fits."""
 
-    def __init__(self, shapes: list[DraftShape], drafter_share: float = 0.0) -> None:
+    def __init__(self, shapes: list[DraftShape]) -> None:
         self.shapes = shapes
-        # a drafter pass's price before one is measured, as a share of the target's over as
-        # many rows (the models' weights, in proportion)
-        self.drafter_share = drafter_share
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
         self.catch_up = RowCosts()  # the drafter's first pass, up to the roots' logits
@@ -206,24 +203,16 @@ class DraftController:
             return None
         catch_up = sum(behind[c] for c in counts if behind and plan[c].nodes)
         if catch_up:
-            t += self._drafter_pass(self.catch_up, catch_up)
+            t += self.catch_up.seconds(catch_up) or 0.0
         depth = max(s.depth for s in plan.values())
         for d in range(1, depth):  # one drafter pass per depth after the first
             beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
-            t += self._drafter_pass(self.depth, beam)
+            t += self.depth.seconds(beam) or 0.0
         plain_rows = prompt_rows + sum(counts.values())
         rest = self.rest_plain.seconds(plain_rows) or 0.0
         if depth:  # at least what the same step without drafts pays
             rest = max(rest, self.rest_drafting.seconds(rows) or 0.0)
         return t + rest
-
-    def _drafter_pass(self, curve: RowCosts, rows: float) -> float:
-        """A drafter pass over ``rows``: as measured, or before any was, ``drafter_share`` of
-        the target's over as many."""
-        seconds = curve.seconds(rows)
-        if seconds is None:
-            seconds = self.drafter_share * (self.target.seconds(rows) or 0.0)
-        return seconds
 
     # ---- the choice ----------------------------------------------------------------------
     def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
