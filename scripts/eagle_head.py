@@ -85,7 +85,8 @@ class DistillLoss(torch.autograd.Function):
     TV(p_tv_r, q_r) (not differentiated), over row chunks; ``p_tv`` defaults to ``p``. With a
     draft vocabulary, ``p`` is the target's distribution renormalised on it and ``p_tv`` its
     mass there, not renormalised, so that 1 - p_tv's mass off the vocabulary counts as
-    rejected. The gradient is computed with the loss, in a few passes over the vocabulary:
+    rejected. The gradient is computed with the loss, in a few passes over the vocabulary, a
+    chunk of rows at a time (rows that fit a CPU's cache; more on a GPU):
     d/dz KL = q - p, d/dz TV = q (s - <q, s>) / 2 with s = sign(q - p_tv)."""
 
     CHUNK = 256
@@ -93,10 +94,11 @@ class DistillLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, p, log_p, w, p_tv=None):
         p_tv = p if p_tv is None else p_tv
-        grad = torch.empty(z.shape, dtype=torch.float32)
+        grad = torch.empty(z.shape, dtype=torch.float32, device=z.device)
         kl = tv = z.new_zeros((), dtype=torch.float32)
-        for r in range(0, len(z), DistillLoss.CHUNK):
-            rows = slice(r, r + DistillLoss.CHUNK)
+        chunk = DistillLoss.CHUNK if z.device.type == "cpu" else 32 * DistillLoss.CHUNK
+        for r in range(0, len(z), chunk):
+            rows = slice(r, r + chunk)
             wr = w[rows, None]
             log_q = torch.log_softmax(z[rows].float(), dim=-1)
             q = log_q.exp()
@@ -122,11 +124,11 @@ def target_p(final: torch.Tensor, lm_head: torch.Tensor, vocab: torch.Tensor | N
     """The target's p at rows of final hidden states: (p on the draft vocabulary renormalised,
     its log, p there not renormalised, its mass there); the three the same for the full
     vocabulary (``vocab`` None)."""
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+    with torch.no_grad(), torch.autocast(final.device.type, enabled=False):
         log_p = F.log_softmax(final.float() @ lm_head.float().T, -1)
         if vocab is None:
             p = log_p.exp()
-            return p, log_p, p, torch.ones(len(p))
+            return p, log_p, p, torch.ones(len(p), device=p.device)
         log_p = log_p[:, vocab]
         p_tv = log_p.exp()
         mass = p_tv.sum(-1)
@@ -145,8 +147,12 @@ def unrolled_loss(head: Head, embed: torch.Tensor, lm_head: torch.Tensor, tokens
     Returns the loss and the mean of sum_x min(p, q) (alpha) at each step."""
     b, t = tokens.shape[0], tokens.shape[1] - 1
     e = embed[tokens[:, 1:].long()]  # position i reads token i + 1
-    pos = torch.arange(t).expand(b, t).reshape(-1)
-    rows = torch.arange(b * t) if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+    dev = tokens.device
+    pos = torch.arange(t, device=dev).expand(b, t).reshape(-1)
+    if mask is None:
+        rows = torch.arange(b * t, device=dev)
+    else:
+        rows = mask.reshape(-1).nonzero().squeeze(1)
     p, log_p, p_tv, mass = target_p(final[:, 1:].reshape(b * t, -1)[rows], lm_head, vocab)
     s_in = streams[:, :-1].float()
     if noise:
@@ -154,7 +160,7 @@ def unrolled_loss(head: Head, embed: torch.Tensor, lm_head: torch.Tensor, tokens
     feat = head.fc(s_in)
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
     total, alphas = 0.0, []
-    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    i, j = torch.arange(t, device=dev)[:, None], torch.arange(t, device=dev)[None, :]
     for k in range(1, unroll + 1):
         q, kk, vv = head.qkv(e, feat)
         keys.append((kk, vv))
@@ -169,7 +175,7 @@ def unrolled_loss(head: Head, embed: torch.Tensor, lm_head: torch.Tensor, tokens
         keep = pos[rows] >= k - 1  # the mean over positions whose inputs exist at step k
         if keep.any():
             n = int(keep.sum())
-            weight = torch.full((n,), 1.0 / n)
+            weight = torch.full((n,), 1.0 / n, device=dev)
             z = head.logits(g.reshape(b * t, -1)[rows[keep]])
             loss, tv = DistillLoss.apply(z, p[keep], log_p[keep], weight, p_tv[keep])
             total = total + step_decay ** (k - 1) * loss

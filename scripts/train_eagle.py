@@ -3,9 +3,10 @@ or, with ``--chat-data``, on the target's own answers to chat instructions (self
 
 Phases (``--phase all`` runs them in order):
   features  the target over windows of the training files (or over each answered conversation,
-            prompt and answer): the residual streams entering the layers ``--layers`` (the
-            head's input) and the final normed hidden states (the target's p) ->
-            RUN/features.pt, RUN/features.json
+            prompt and answer), and with ``--generated N`` over N tokens of the target's own
+            continuations of such windows (eagle_generated.py): the residual streams entering
+            the layers ``--layers`` (the head's input) and the final normed hidden states (the
+            target's p) -> RUN/features.pt, RUN/features.json
   train     the head (fc over the streams; one decoder layer over [norm(embedding);
             norm(feature)]; its own final norm and LM head, started from the target's) with the
             target frozen, to match the target's next-token distribution: KL(p || q) + TV(p, q),
@@ -39,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eagle_chat_features as chat
+import eagle_generated
 import train_pair_data as data
 from eagle_head import DistillLoss, Head, rope_tables, rotate, unrolled_loss
 from train_eagle_export import export_head
@@ -75,6 +77,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=1_000_000, help="training tokens to featurise")
+    p.add_argument(
+        "--generated",
+        type=int,
+        default=0,
+        help="and this many tokens of the target's own continuations of training windows",
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--minutes", type=float, default=None, help="or stop training after this long")
@@ -138,10 +147,11 @@ def _where(path: Path) -> dict:
     return {"pretrained_model_name_or_path": str(path)}
 
 
-def load_target(path: Path):
+def load_target(path: Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(**_where(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(**_where(path), dtype=torch.float32)
+    model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -171,7 +181,8 @@ def stream_ids(layers: str | None, num_layers: int) -> list[int]:
 def featurise(model, tokens: torch.Tensor, streams: list[int], batch: int = 8):
     """The final normed hidden states [N, L, h] and the residual streams entering the layers
     ``streams``, concatenated [N, L, len(streams) * h] (the layer count: the stream after the
-    last layer)."""
+    last layer); bfloat16, on the host."""
+    device = next(model.parameters()).device
     seen: dict[int, torch.Tensor] = {}
     layers = model.model.layers
     hooks = [layer.register_forward_pre_hook(lambda _m, a, i=i: seen.__setitem__(i, a[0]))
@@ -181,9 +192,9 @@ def featurise(model, tokens: torch.Tensor, streams: list[int], batch: int = 8):
     finals, fused = [], []
     try:
         for i in range(0, len(tokens), batch):
-            h = model.model(input_ids=tokens[i : i + batch].long()).last_hidden_state
-            finals.append(h.to(torch.bfloat16))
-            fused.append(torch.cat([seen[j] for j in streams], dim=-1).to(torch.bfloat16))
+            h = model.model(input_ids=tokens[i : i + batch].long().to(device)).last_hidden_state
+            finals.append(h.to(torch.bfloat16).cpu())
+            fused.append(torch.cat([seen[j] for j in streams], dim=-1).to(torch.bfloat16).cpu())
     finally:
         for hook in hooks:
             hook.remove()
@@ -205,23 +216,41 @@ def phase_features(args, run: Path) -> None:
         return torch.tensor(ids, dtype=torch.int64)
 
     stream, held_stream = encode(train), encode(held)
-    model = load_target(target)
+    model = load_target(target, args.device)
     ids = stream_ids(args.layers, model.config.num_hidden_layers)
+    batch = 256 if args.device == "cuda" else 8
     t0 = time.time()
     tr = windows(stream, args.seq_len, args.max_tokens, args.seed)
     ev = windows(held_stream, args.seq_len, (64 if not args.tiny else 2) * args.seq_len,
                  args.seed + 1)  # fmt: skip
-    (final, streams), (ev_final, ev_streams) = featurise(model, tr, ids), featurise(model, ev, ids)
-    torch.save({"tokens": tr.to(torch.int16), "final": final, "streams": streams,
-                "eval_tokens": ev.to(torch.int16), "eval_final": ev_final,
-                "eval_streams": ev_streams}, run / "features.pt")  # fmt: skip
+    blob = {"eval_tokens": ev}
+    generated = 0
+    if args.generated:  # the target's continuations of training windows, and of held-out ones
+        sample = 2048 if args.device == "cuda" else 16
+        own = eagle_generated.sample_continuations(
+            model, windows(stream, args.seq_len, args.generated, args.seed + 2), args.seed, sample
+        ).cpu()
+        generated = own.numel()
+        tr = torch.cat([tr, own])
+        blob["gen_eval_tokens"] = eagle_generated.sample_continuations(
+            model, ev, args.seed + 1, sample
+        ).cpu()
+        log(run, f"sampled {generated:,} tokens of the target's text ({time.time() - t0:.0f} s)")
+    blob["tokens"] = tr
+    for name in list(blob):
+        final, streams = featurise(model, blob[name], ids, batch)
+        prefix = name.removesuffix("tokens")
+        blob[name] = blob[name].to(torch.int16)
+        blob[prefix + "final"], blob[prefix + "streams"] = final, streams
+    torch.save(blob, run / "features.pt")
     info = {"command": command(), "seconds": round(time.time() - t0, 1), "stream_ids": ids,
-            "train_tokens": tr.numel(), "train_files": len(train),
-            "corpus_tokens": len(stream), "heldout_tokens": ev.numel()}  # fmt: skip
+            "train_tokens": tr.numel(), "generated_tokens": generated,
+            "train_files": len(train), "corpus_tokens": len(stream),
+            "heldout_tokens": ev.numel()}  # fmt: skip
     (run / "features.json").write_text(json.dumps(info, indent=1) + "\n")
-    log(run, f"features: {tr.numel():,} train tokens (of {len(stream):,}; {len(train)} files), "
-             f"{ev.numel():,} held-out ({len(held)} files), streams {ids}, "
-             f"{time.time() - t0:.0f} s")  # fmt: skip
+    log(run, f"features: {tr.numel():,} train tokens ({generated:,} the target's own; "
+             f"corpus {len(stream):,}, {len(train)} files), {ev.numel():,} held-out "
+             f"({len(held)} files), streams {ids}, {time.time() - t0:.0f} s")  # fmt: skip
 
 
 COVERAGE_SIZES = (4096, 8192, 12288, 16384, 24576, 32768)
@@ -268,9 +297,12 @@ def phase_chat_features(args, run: Path) -> None:
 # ---- training ----------------------------------------------------------------------------
 def phase_train(args, run: Path) -> None:
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
     blob = torch.load(run / "features.pt", weights_only=True)
+    if "train" not in blob:  # windows: every tensor on the device, batches taken there
+        blob = {k: v.to(device) for k, v in blob.items()}
     info = json.loads((run / "features.json").read_text())
-    target = load_target(Path(args.target))
+    target = load_target(Path(args.target), args.device)
     cfg = target_config(Path(args.target))
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
@@ -281,6 +313,7 @@ def phase_train(args, run: Path) -> None:
         log(run, f"draft vocabulary: {len(vocab)} tokens")
     head = Head(cfg, args.intermediate or cfg["intermediate_size"], len(info["stream_ids"]),
                 lm_head if vocab is None else lm_head[vocab], target.model.norm.weight)  # fmt: skip
+    head = head.to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps = args.steps
     gen = torch.Generator().manual_seed(args.seed + 7)
@@ -294,11 +327,15 @@ def phase_train(args, run: Path) -> None:
 
         def batch():
             idx = torch.randint(0, len(tokens), (min(args.batch_size, len(tokens)),), generator=gen)
+            idx = idx.to(device)
             return tokens[idx], final[idx], streams[idx], None
 
-    bf16 = args.train_dtype == "bfloat16" or (args.train_dtype == "auto" and bf16_native())
+    bf16 = args.train_dtype == "bfloat16" or (
+        args.train_dtype == "auto" and (device.type == "cuda" or bf16_native())
+    )
     t0 = time.time()
     curve: list[tuple[int, list[float]]] = []
+    own_curve: list[tuple[int, list[float]]] = []  # on the target's own held-out continuations
     step, loss = 0, torch.zeros(())
     budget = 60 * args.minutes if args.minutes else math.inf
     for step in range(1, steps + 1):
@@ -308,7 +345,7 @@ def phase_train(args, run: Path) -> None:
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, step / 50) * cosine
         tok, fin, st, mask = batch()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, alphas = unrolled_loss(
                 head, embed, lm_head, tok, fin, st, args.unroll, args.step_decay, args.noise,
                 mask, vocab,
@@ -325,24 +362,29 @@ def phase_train(args, run: Path) -> None:
         if step % args.eval_every == 0 or stop:
             curve.append((step, evaluate(head, embed, lm_head, blob, args, vocab)))
             log(run, f"held-out alpha by draft step at step {step}: {curve[-1][1]}")
+            if "gen_eval_tokens" in blob:
+                own_curve.append((step, evaluate(head, embed, lm_head, blob, args, vocab, "gen_")))
+                log(run, f"  on the target's own continuations: {own_curve[-1][1]}")
         if stop:
             break
-    torch.save({"head": head.state_dict(), "steps": step, "curve": curve, "loss": loss.item(),
+    torch.save({"head": head.state_dict(), "steps": step, "curve": curve,
+                "curve_generated": own_curve, "loss": loss.item(),
                 "seconds": time.time() - t0, "command": command(), "vocab": vocab,
                 "train_dtype": "bfloat16" if bf16 else "float32"}, run / "head.pt")  # fmt: skip
 
 
 @torch.no_grad()
-def evaluate(head: Head, embed, lm_head, blob: dict, args, vocab=None) -> list[float]:
-    """E[sum_x min(p, q)] at each draft step on held-out windows (chat: held-out answers),
-    without stream noise, each batch weighed by its positions."""
+def evaluate(head: Head, embed, lm_head, blob: dict, args, vocab=None, own="") -> list[float]:
+    """E[sum_x min(p, q)] at each draft step on held-out windows (chat: held-out answers; own
+    "gen_": the target's continuations of the held-out windows), without stream noise, each
+    batch weighed by its positions."""
     if "eval" in blob:
         ev = blob["eval"]
         lens = ev["offsets"][1:] - ev["offsets"][:-1]
         order = torch.argsort(lens).tolist()
         parts = [chat.chat_batch(ev, order[i : i + 8]) for i in range(0, len(order), 8)]
     else:
-        tok, fin, st = blob["eval_tokens"], blob["eval_final"], blob["eval_streams"]
+        tok, fin, st = (blob[f"{own}eval_{part}"] for part in ("tokens", "final", "streams"))
         parts = [(tok[i : i + 8], fin[i : i + 8], st[i : i + 8], None)
                  for i in range(0, len(tok), 8)]  # fmt: skip
     rows, weights = [], []

@@ -55,7 +55,9 @@ def export_head(args, run: Path, cfg: dict, command: str, builtin: Path) -> tupl
         "commands": {"features": info["command"], "train": saved["command"], "export": command},
         "seed": args.seed,
         "target": Path(args.target).name if Path(args.target) == builtin else str(args.target),
-        "data": "the target's stdlib training files (training.json); held-out files for eval",
+        "data": "the target's stdlib training files (training.json) and, generated_tokens "
+        "of them, the target's own continuations (temperature 1) of windows of those files; "
+        "held-out files for eval",
         "stream_ids": info["stream_ids"],
         "train_tokens": info["train_tokens"],
         "features_seconds": info["seconds"],
@@ -69,6 +71,8 @@ def export_head(args, run: Path, cfg: dict, command: str, builtin: Path) -> tupl
         "final_loss": saved["loss"],
         "train_seconds": round(saved["seconds"], 1),
         "heldout_alpha_by_step": {str(s): a for s, a in saved["curve"]},
+        "generated_tokens": info.get("generated_tokens", 0),
+        "heldout_own_text_alpha_by_step": {str(s): a for s, a in saved.get("curve_generated", [])},
         "parameters": sum(v.numel() for v in tensors.values()),
         "torch": torch.__version__,
     }

@@ -43,7 +43,8 @@ def trained(tiny_llama_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     run = tmp_path_factory.mktemp("eagle_run")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--steps", "150", "--target",
-         str(tiny_llama_checkpoint), "--out", str(run), "--export", str(run / "head")],
+         str(tiny_llama_checkpoint), "--out", str(run), "--export", str(run / "head"),
+         "--generated", "1024", "--unroll", "3"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -55,6 +56,9 @@ def test_training_script_writes_a_loadable_head(trained) -> None:
     info = json.loads((head / "training.json").read_text())
     for key in ("commands", "seed", "steps", "heldout_alpha_by_step", "parameters", "loss"):
         assert key in info, key
+    assert info["generated_tokens"] >= 1024 - 32 and info["unroll"] == 3
+    own = info["heldout_own_text_alpha_by_step"]
+    assert own and all(len(alphas) == 3 for alphas in own.values())
     assert detect_layout(head) == "eagle3"
     log = (head.parent / "train_eagle.log").read_text()
     assert "features:" in log and "step 150/150" in log and "exported" in log
