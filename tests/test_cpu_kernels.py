@@ -254,7 +254,8 @@ def test_flat_forward_is_the_module_path_bit_for_bit(
     make_checkpoint, dtype: torch.dtype, arch: str
 ) -> None:
     """The decoder stack as flat kernel calls (CpuDecoderPlan) gives the module path's hidden
-    states, residual streams and K/V, bit for bit, over prompts, chunks and decodes."""
+    states, residual streams and K/V, bit for bit, over prompts, chunks and decodes, and reads
+    weights re-pointed after it was built once refreshed."""
     model = load_model(make_checkpoint(arch, num_layers=3), dtype, "cpu")
     plan = model.model.cpu_plan
     assert plan is not None
@@ -267,7 +268,8 @@ def test_flat_forward_is_the_module_path_bit_for_bit(
     ids = torch.randint(3, model.vocab_size, (sum(lens),), generator=gen)
     positions = torch.cat([torch.arange(c, c + q) for q, c in zip(lens, ctx, strict=True)])
     for p in model.parameters():  # re-pointed after the plan was built, as share_weights does
-        p.data = p.data.clone()
+        p.data = p.data.clone() * 1.5  # other values: a plan still reading the old ones fails
+    plan.refresh()
     results = []
     for use_plan in (True, False):
         model.model.cpu_plan = plan if use_plan else None

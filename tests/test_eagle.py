@@ -190,8 +190,9 @@ def test_eagle3_head_matches_the_published_design(make_checkpoint, tmp_path) -> 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eagle3_flat_pass_is_the_module_path_bit_for_bit(make_checkpoint, tmp_path, dtype):
-    """The head's pass as flat kernel calls (Eagle3HeadPlan) gives the module path's feature,
-    normed hidden state and K/V, bit for bit, on a ragged batch with cached context."""
+    """The head's pass as flat kernel calls (Eagle3HeadPlan), and with its logits as one call,
+    gives the module path's feature, logits and K/V, bit for bit, on a ragged batch with cached
+    context."""
     from specbatch.kernels.cpu import cpu_kernels
 
     kernels = cpu_kernels()
@@ -212,16 +213,20 @@ def test_eagle3_flat_pass_is_the_module_path_bit_for_bit(make_checkpoint, tmp_pa
     feats = torch.randn(sum(lens), 3 * 64, generator=gen).to(dtype)
     positions = torch.cat([torch.arange(c, c + q) for q, c in zip(lens, ctx, strict=True)])
     results = []
-    for use_plan in (True, False):
-        head.cpu_plan = plan if use_plan else None
+    for mode in ("one call", "plan", "modules"):  # the pass and its logits in one kernel call
+        head.cpu_plan = None if mode == "modules" else plan
         k, v = head.allocate_kv_caches(9, bs, "cpu")[0]
         k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(2)))
         v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(3)))
         meta = AttentionMetadata.from_lists(lens, [q + c for q, c in zip(lens, ctx)], tables, bs)
-        pre, normed = head(ids, head.from_target(feats), positions, (k, v), meta)
-        results.append((pre, normed, k, v))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+        if mode == "one call":
+            pre, logits = head.forward_logits(ids, head.from_target(feats), positions, (k, v), meta)
+        else:
+            pre, normed = head(ids, head.from_target(feats), positions, (k, v), meta)
+            logits = head.compute_logits(normed)
+        results.append((pre, logits, k, v))
+    for one, two, three in zip(*results, strict=True):
+        assert torch.equal(one, two) and torch.equal(two, three)
 
 
 def test_bad_heads_are_named(make_checkpoint, tmp_path) -> None:

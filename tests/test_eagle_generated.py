@@ -13,7 +13,7 @@ from specbatch.stats import chi_square_gof
 from tests.helpers import hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from eagle_generated import sample_continuations  # noqa: E402
+from eagle_generated import sample_continuations
 
 ROWS = 20_000  # ~78 draws a category of the 256: a few-percent error in p is caught
 FALSE_ALARM = 1e-3

@@ -81,3 +81,7 @@ def share_weights(engines: Sequence[LLMEngine | DataParallelEngine]) -> None:
                 own = getattr(modules[name], "packed", None)
                 if packed is not None and own is not None:
                     own.panels.data = packed.panels.data
+            for module in modules.values():  # plans hold the addresses of what was re-pointed
+                plan = getattr(module, "cpu_plan", None)
+                if plan is not None:
+                    plan.refresh()

@@ -49,6 +49,7 @@ class CpuKernels:
         self.max_head_dim = int(info["max_head_dim"])
         self.tree_rows = int(info["tree"])  # attention's tree masks cover sequences this long
         self.amx_available = bool(info["amx"])
+        self.layer_fields = int(info["layer_fields"])  # csrc/layer.c's descriptor length
         self.use_amx(_env_on("SPECBATCH_CPU_AMX"))
 
     def use_amx(self, on: bool) -> bool:

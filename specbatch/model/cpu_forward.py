@@ -8,6 +8,10 @@ once, when the kernels are switched on; a forward is then the same kernel calls 
 arguments in the same order, into a few buffers the layers share, so its outputs and the K/V it
 writes are bit for bit the module path's.
 
+A layer's attention and MLP are one kernel call (``csrc/layer.c``) that reads the layer's weights
+from a descriptor: their addresses, written when the plan is built and again by ``refresh``
+after weights are re-pointed (engines sharing one copy).
+
 A plan is built only where every op has a kernel: one rank (no all-reduce inside the stack),
 packed weights, the CPU attention backend.
 """
@@ -30,8 +34,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class _Linear:
-    """A packed linear layer: its panels and its bias parameter, whose address is read at
-    every call (a parameter may be re-pointed after the plan is built, e.g. to share weights)."""
+    """A packed linear layer: its panels and its bias parameter."""
 
     def __init__(self, layer: PackableLinear) -> None:
         assert layer.packed is not None
@@ -43,8 +46,19 @@ class _Linear:
     def of(layer: PackableLinear) -> _Linear | None:
         return None if layer.packed is None else _Linear(layer)
 
-    def pointers(self) -> tuple[int, int | None]:
-        return self.panels.data_ptr(), _ptr(self.bias)
+    def fields(self) -> list[int]:
+        """The descriptor's two fields: panels, bias (0: none)."""
+        return [self.panels.data_ptr(), _ptr(self.bias) or 0]
+
+
+@dataclass(frozen=True, eq=False)
+class _Descriptor:
+    """A layer's descriptor for csrc/layer.c and the storage of the tensors whose addresses it
+    holds, kept alive: a weight re-pointed after it was written stays readable (the old copy)
+    until the plan's ``refresh``."""
+
+    fields: torch.Tensor
+    held: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +73,21 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: _Linear
     down: _Linear
+
+    def descriptor(self, flat: _FlatLayers) -> _Descriptor:
+        """csrc/layer.c's LAYER_* fields of this layer: sizes, then addresses."""
+        tensors = (self.qkv.panels, self.qkv.bias, self.q_norm, self.k_norm, self.o.panels,
+                   self.o.bias, self.post_norm, self.gate_up.panels, self.gate_up.bias,
+                   self.down.panels, self.down.bias, flat.rotary.cos, flat.rotary.sin)  # fmt: skip
+        held = tuple(t.detach() for t in tensors if t is not None)
+        fields = [
+            self.qkv.k, self.o.n, flat.heads, flat.kv_heads, flat.head_dim, self.gate_up.n // 2,
+            *self.qkv.fields(), _ptr(self.q_norm) or 0, _ptr(self.k_norm) or 0,
+            *self.o.fields(), self.post_norm.data_ptr(), *self.gate_up.fields(),
+            *self.down.fields(), flat.rotary.cos.data_ptr(), flat.rotary.sin.data_ptr(),
+        ]  # fmt: skip
+        assert len(fields) == flat.layer_fields
+        return _Descriptor(torch.tensor(fields, dtype=torch.int64), held)
 
     @staticmethod
     def of(attn: Any, mlp: Any, in_norm: Any, post_norm: Any) -> _Layer | None:
@@ -97,16 +126,10 @@ class _FlatLayers:
         self.head_dim = attn.qkv_proj.head_dim
         self.scale = float(attn.scale)
         self.rotary = attn.rotary
+        self.layer_fields = kernels.layer_fields
 
     def new(self, rows: int, cols: int) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=self.dtype)
-
-    def scratch(self, ws: dict[str, torch.Tensor], name: str, rows: int, cols: int) -> torch.Tensor:
-        """A buffer of one forward that every layer reuses."""
-        buf = ws.get(name)
-        if buf is None:
-            buf = ws[name] = self.new(rows, cols)
-        return buf
 
     def norm(self, t: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
              residual: torch.Tensor | None = None) -> None:  # fmt: skip
@@ -114,62 +137,28 @@ class _FlatLayers:
         self.m.rms_norm(t, x.shape[1], x.data_ptr(), x.stride(0), _ptr(residual),
                         weight.data_ptr(), self.eps, out.data_ptr(), self.bf16)  # fmt: skip
 
-    def linear(self, t: int, lin: _Linear, x: torch.Tensor, y: torch.Tensor) -> None:
-        panels, bias = lin.pointers()
-        if self.bf16:
-            self.m.linear_bf16(t, lin.n, lin.k, x.data_ptr(), x.stride(0), panels, bias,
-                               y.data_ptr(), lin.n, 0)  # fmt: skip
-        else:
-            self.m.linear_f32(t, lin.n, lin.k, x.data_ptr(), x.stride(0), panels, bias,
-                              y.data_ptr(), lin.n)  # fmt: skip
-
-    def attention(
+    def core(
         self,
         t: int,
-        lay: _Layer,
+        desc: _Descriptor,
         x: torch.Tensor,
+        residual: torch.Tensor,
+        y: torch.Tensor,
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        out: torch.Tensor,
-        ws: dict[str, torch.Tensor],
     ) -> None:
-        """q/k/v of the normed input ``x``, their rotation, the K/V write and attention over
-        the paged cache, then the output projection into ``out``."""
-        m, bf16, eps = self.m, self.bf16, self.eps
-        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        qkv = self.scratch(ws, "qkv", t, lay.qkv.n)
-        self.linear(t, lay.qkv, x, qkv)
-        ld, q = lay.qkv.n, qkv.data_ptr()
-        esz = qkv.element_size()
-        k, v = q + hq * d * esz, q + (hq + hkv) * d * esz
-        if lay.q_norm is not None and lay.k_norm is not None:
-            m.head_rms_norm(t, hq, d, q, ld, lay.q_norm.data_ptr(), eps, bf16)
-            m.head_rms_norm(t, hkv, d, k, ld, lay.k_norm.data_ptr(), eps, bf16)
-        cos, sin = self.rotary.cos.data_ptr(), self.rotary.sin.data_ptr()
-        pos = positions.data_ptr()
-        m.rope(t, hq, d, q, ld, pos, cos, sin, bf16)
-        m.rope(t, hkv, d, k, ld, pos, cos, sin, bf16)
+        """One kernel call for the layer of ``desc``: ``residual += attention(x)`` (x normed,
+        contiguous), then ``y = mlp(post_norm(residual))``."""
         k_cache, v_cache = cache
-        bs, kc, vc = k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr()
-        m.write_kv(t, hkv, d, k, ld, v, ld, meta.slot_mapping.data_ptr(), kc, vc, bs, bf16)
-        attn = self.scratch(ws, "attn", t, hq * d)
-        m.paged_attention(
-            meta.seq_lens.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-            meta.block_tables.data_ptr(), meta.block_tables.stride(0), q, ld, hq,
-            k_cache.shape[1], d, kc, vc, bs, self.scale, attn.data_ptr(),
-            _ptr(meta.tree_masks), _ptr(meta.tree_starts), bf16,
+        self.m.layer_core(
+            desc.fields.data_ptr(), t, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
+            positions.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
+            meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+            meta.block_tables.data_ptr(), meta.block_tables.stride(0), _ptr(meta.tree_masks),
+            _ptr(meta.tree_starts), self.eps, self.scale, self.bf16,
         )  # fmt: skip
-        self.linear(t, lay.o, attn, out)
-
-    def mlp(
-        self, t: int, lay: _Layer, x: torch.Tensor, out: torch.Tensor, ws: dict[str, torch.Tensor]
-    ) -> None:
-        gate_up = self.scratch(ws, "gate_up", t, lay.gate_up.n)
-        act = self.scratch(ws, "act", t, lay.gate_up.n // 2)
-        self.linear(t, lay.gate_up, x, gate_up)
-        self.m.silu_and_mul(t, lay.gate_up.n // 2, gate_up.data_ptr(), act.data_ptr(), self.bf16)
-        self.linear(t, lay.down, act, out)
 
 
 class CpuDecoderPlan(_FlatLayers):
@@ -179,6 +168,11 @@ class CpuDecoderPlan(_FlatLayers):
         super().__init__(kernels, model.layers[0].self_attn, float(model.norm.eps))
         self.layers = layers
         self.final_norm = model.norm.weight
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the weights' addresses (after they were re-pointed)."""
+        self.descs = [lay.descriptor(self) for lay in self.layers]
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels) -> CpuDecoderPlan | None:
@@ -205,18 +199,17 @@ class CpuDecoderPlan(_FlatLayers):
         """``h``: the embedded tokens ``[T, hidden]``, contiguous, which becomes the residual
         stream's buffer. Returns what ``LlamaModel.forward`` returns."""
         t, hidden = h.shape
-        normed, proj, x = self.new(t, hidden), self.new(t, hidden), self.new(t, hidden)
+        normed, x = self.new(t, hidden), self.new(t, hidden)
         seen: dict[int, torch.Tensor] = {0: h.clone()} if 0 in streams else {}
-        residual, ws = h, {}
-        for i, (lay, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        residual = h
+        layers = zip(self.layers, self.descs, kv_caches, strict=True)
+        for i, (lay, desc, cache) in enumerate(layers):
             assert lay.in_norm is not None
             if i == 0:
                 self.norm(t, h, lay.in_norm, normed)
             else:
                 self.norm(t, x, lay.in_norm, normed, residual)
-            self.attention(t, lay, normed, positions, cache, meta, proj, ws)
-            self.norm(t, proj, lay.post_norm, normed, residual)
-            self.mlp(t, lay, normed, x, ws)
+            self.core(t, desc, normed, residual, x, positions, cache, meta)
             if i + 1 in streams:
                 seen[i + 1] = x + residual
         final = self.new(t, hidden)
@@ -233,6 +226,14 @@ class Eagle3HeadPlan(_FlatLayers):
         self.embed_norm = head.input_layernorm.weight
         self.feature_norm = head.hidden_norm.weight
         self.final_norm = head.norm.weight
+        # logits in the same call: the head's own LM head, packed, over the target's vocabulary
+        lm_head = head.lm_head if head.d2t_identity else None
+        self.lm_head = lm_head.packed if lm_head is not None else None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the weights' addresses (after they were re-pointed)."""
+        self.desc = self.layer.descriptor(self)
 
     @classmethod
     def build(cls, head: Any, kernels: CpuKernels) -> Eagle3HeadPlan | None:
@@ -257,13 +258,41 @@ class Eagle3HeadPlan(_FlatLayers):
         e, f = self.new(t, hidden), self.new(t, hidden)
         self.norm(t, embedded, self.embed_norm, e)
         self.norm(t, features, self.feature_norm, f)
-        attn, ws = self.new(t, hidden), {}
-        self.attention(t, self.layer, torch.cat([e, f], dim=-1), positions, cache, meta, attn, ws)
-        residual, normed = features.clone(), self.new(t, hidden)
-        self.norm(t, attn, self.layer.post_norm, normed, residual)
-        down = self.new(t, hidden)
-        self.mlp(t, self.layer, normed, down, ws)
+        residual, down = features.clone(), self.new(t, hidden)
+        x = torch.cat([e, f], dim=-1)
+        self.core(t, self.desc, x, residual, down, positions, cache, meta)
         pre = down + residual
         out = self.new(t, hidden)
         self.norm(t, pre, self.final_norm, out)
         return pre, out
+
+    def forward_logits(
+        self,
+        embedded: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``forward`` and the logits of every row (float32) in one kernel call, the same
+        computation; None where the head's LM head is not packed over the full vocabulary."""
+        if self.lm_head is None:
+            return None
+        t, hidden = features.shape
+        if features.stride(-1) != 1:
+            features = features.contiguous()
+        pre = self.new(t, hidden)
+        logits = torch.empty((t, self.lm_head.out_features), dtype=torch.float32)
+        k_cache, v_cache = cache
+        self.m.eagle3_pass(
+            self.desc.fields.data_ptr(), t, embedded.data_ptr(), features.data_ptr(),
+            features.stride(0), self.embed_norm.data_ptr(), self.feature_norm.data_ptr(),
+            self.final_norm.data_ptr(), self.lm_head.panels.data_ptr(),
+            self.lm_head.out_features, pre.data_ptr(), logits.data_ptr(), positions.data_ptr(),
+            meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
+            meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+            meta.block_tables.data_ptr(), meta.block_tables.stride(0), _ptr(meta.tree_masks),
+            _ptr(meta.tree_starts), self.eps, self.scale, self.bf16,
+        )  # fmt: skip
+        return pre, logits

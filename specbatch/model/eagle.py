@@ -258,6 +258,25 @@ class EagleHead(nn.Module):
         pre = self.mlp(y) + residual
         return pre, self.norm(pre)
 
+    def forward_logits(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` then ``compute_logits`` of every row: the next pass's feature and q's
+        logits (one kernel call where the CPU plan covers the LM head)."""
+        if self.cpu_plan is not None:
+            fused = self.cpu_plan.forward_logits(
+                self.embed(input_ids), features, positions, kv_cache, meta
+            )
+            if fused is not None:
+                return fused
+        feature, hidden = self(input_ids, features, positions, kv_cache, meta)
+        return feature, self.compute_logits(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits over the target's vocabulary (-inf outside an EAGLE-3 draft vocab)."""
         if self.layout == "eagle":

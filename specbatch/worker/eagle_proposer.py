@@ -107,8 +107,9 @@ class EagleProposer(Drafter):
         self, tokens: torch.Tensor, state: torch.Tensor | None, inputs: ForwardInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert state is not None
-        feature, hidden = self.head(tokens, state, inputs.positions, self.kv_caches[0], inputs.meta)
-        return feature, self.head.compute_logits(hidden)
+        return self.head.forward_logits(
+            tokens, state, inputs.positions, self.kv_caches[0], inputs.meta
+        )
 
     def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
         """Keep the features of the positions the target processed and kept (a prompt chunk's

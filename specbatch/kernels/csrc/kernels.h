@@ -59,4 +59,26 @@ void sb_rejection_sample(int batch, int gamma, int v, const int64_t* draft_ids,
                          const float* final_u, float* residual, int64_t* tokens,
                          int64_t* accepted);
 
+/* layer.c: a decoder layer's attention and MLP on the normed input x [t, K_IN] (desc: the
+ * layer's sizes and weights, layer.c's LAYER_*): residual += o_proj(attention), then
+ * y = mlp(norm(residual)); -1 if out of memory */
+int sb_layer_fields(void);
+int sb_layer_core(const int64_t* desc, int t, const void* x, void* residual, void* y,
+                  const int64_t* positions, const int64_t* slots, void* k_cache, void* v_cache,
+                  int kv_heads_stride, int block_size, int num_seqs, const int64_t* qsl,
+                  const int64_t* seq_lens, const int64_t* block_tables, long bt_stride,
+                  const uint64_t* tree, const int64_t* tree_starts, float eps, float scale,
+                  int bf16);
+/* An EAGLE-3 head's pass with its logits: x = [norm(embedded); norm(features)], the layer
+ * (sb_layer_core) with the features as its residual, pre = residual + mlp, logits [t, vocab]
+ * float32 = lm_head(norm(pre)); pre [t, hidden] is the next pass's feature */
+int sb_eagle3_pass(const int64_t* desc, int t, const void* embedded, const void* features,
+                   long ldf, const void* embed_norm, const void* feature_norm,
+                   const void* final_norm, const void* lm_head, int vocab, void* pre,
+                   float* logits, const int64_t* positions, const int64_t* slots, void* k_cache,
+                   void* v_cache, int kv_heads_stride, int block_size, int num_seqs,
+                   const int64_t* qsl, const int64_t* seq_lens, const int64_t* block_tables,
+                   long bt_stride, const uint64_t* tree, const int64_t* tree_starts, float eps,
+                   float scale, int bf16);
+
 #endif

@@ -71,19 +71,44 @@ WRAP(rejection_sample, "iiipppiipiippppp",
      sb_rejection_sample(I(0), I(1), I(2), P(3), P(4), P(5), L(6), L(7), P(8), L(9), L(10), P(11),
                          P(12), P(13), P(14), P(15)))
 
+static PyObject* py_layer_core(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    (void)self;
+    arg_t a[24];
+    if (parse(args, n, "pipppppppiiipppippffi", a) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = sb_layer_core(
+        P(0), I(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), I(9), I(10), I(11), P(12), P(13),
+        P(14), L(15), P(16), P(17), F(18), F(19), I(20));
+    Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject* py_eagle3_pass(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    (void)self;
+    arg_t a[32];
+    if (parse(args, n, "pippippppippppppiiipppippffi", a) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = sb_eagle3_pass(
+        P(0), I(1), P(2), P(3), L(4), P(5), P(6), P(7), P(8), I(9), P(10), P(11), P(12), P(13),
+        P(14), P(15), I(16), I(17), I(18), P(19), P(20), P(21), L(22), P(23), P(24), F(25), F(26),
+        I(27));
+    Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:i,s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
                          sb_amx_available(), "max_head_dim", sb_attention_max_head_dim(), "tree",
-                         sb_attention_tree_rows());
+                         sb_attention_tree_rows(), "layer_fields", sb_layer_fields());
 }
 
 #define FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
     FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
-    FAST(rejection_sample),
+    FAST(rejection_sample), FAST(layer_core), FAST(eagle3_pass),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
