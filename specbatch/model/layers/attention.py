@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specbatch.errors import InvalidInputError
 
@@ -189,6 +190,9 @@ def write_kv(
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+# On CUDA: every SDPA kernel but cuDNN's (its graph fails with CUDNN_STATUS_INTERNAL_ERROR on a
+# prefill's transposed bf16 views with grouped heads, seen on an H200 with torch 2.11).
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # scaled_dot_product_attention takes enable_gqa from torch 2.5 on; before, repeat the KV heads.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -207,6 +211,11 @@ def sdpa(
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
     extra = {"enable_gqa": True} if gqa else {}
+    if q.is_cuda:  # cuDNN's kernel fails on some of these strided, grouped bf16 calls
+        with sdpa_kernel(_CUDA_SDPA):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
+            )
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
     )
