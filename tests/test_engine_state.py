@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import pytest
-
 from specbatch.bench.cell_run import PassCounts
 from specbatch.engine.engine_state import EngineState, merge_metrics, merge_states
 from specbatch.engine.metrics import EngineMetrics
@@ -37,11 +35,9 @@ def test_every_counter_is_summed_in_the_first_ones_class() -> None:
     assert merge_metrics([]) == EngineMetrics()
 
 
-def test_states_add_up_and_auto_pools_its_expected_rates() -> None:
+def test_states_add_up() -> None:
     one = EngineState(running=2, waiting=1, kv_blocks_total=10, kv_blocks_used=4, draft_nodes=3)
-    one.auto_expected = (30.0, 1.0, 20.0, 1.0)  # 1.5x alone
     two = EngineState(running=1, kv_blocks_total=10, kv_blocks_used=1, draft_nodes=5)
-    two.auto_expected = (10.0, 1.0, 10.0, 2.0)  # 2x alone
     plain = EngineState(running=4, kv_blocks_total=8)
     total = merge_states([one, two, plain])
     assert (total.running, total.waiting, total.kv_blocks_total, total.kv_blocks_used) == (
@@ -50,7 +46,4 @@ def test_states_add_up_and_auto_pools_its_expected_rates() -> None:
         28,
         5,
     )
-    assert total.draft_nodes == 5 and total.auto_expected == (40.0, 2.0, 30.0, 3.0)
-    assert total.estimated_speedup == pytest.approx((40 / 2) / (30 / 3))
-    assert merge_states([plain]).estimated_speedup is None
-    assert EngineState(auto_expected=(5.0, 1.0, 0.0, 0.0)).estimated_speedup is None
+    assert total.draft_nodes == 5 and merge_states([plain]).draft_nodes is None

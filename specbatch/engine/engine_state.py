@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.request import SpecStats
-from specbatch.scheduler.draft_controller import speedup_of
 
 if TYPE_CHECKING:
     from specbatch.engine.llm_engine import LLMEngine
@@ -28,13 +27,6 @@ class EngineState:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     draft_nodes: int | None = None  # with num_speculative_tokens=auto: the largest draft
-    # auto: its plans' expected tokens and seconds, and no drafts' (DraftController.expected)
-    auto_expected: tuple[float, float, float, float] | None = None
-
-    @property
-    def estimated_speedup(self) -> float | None:
-        """auto: its plans' expected tokens/s over no drafts' (None: not auto, or unmeasured)."""
-        return None if self.auto_expected is None else speedup_of(self.auto_expected)
 
     @classmethod
     def of(cls, engine: LLMEngine, copy_metrics: bool = False) -> EngineState:
@@ -46,7 +38,6 @@ class EngineState:
         auto = engine.config.speculative_config.auto
         policy = engine.scheduler.policy
         nodes = policy.shape.nodes if auto else None
-        expected = getattr(policy, "expected", None) if auto else None
         return cls(
             metrics=metrics,
             running=running,
@@ -56,7 +47,6 @@ class EngineState:
             kv_blocks_total=engine.num_kv_blocks,
             kv_blocks_used=engine.num_kv_blocks - engine.num_free_kv_blocks,
             draft_nodes=nodes,
-            auto_expected=tuple(expected) if expected is not None else None,
         )
 
 
@@ -81,7 +71,6 @@ def merge_states(states: Iterable[EngineState]) -> EngineState:
     """Several engines' states as one: counts and blocks summed."""
     states = list(states)
     nodes = [s.draft_nodes for s in states if s.draft_nodes is not None]
-    expected = [s.auto_expected for s in states if s.auto_expected is not None]
     return EngineState(
         metrics=merge_metrics(s.metrics for s in states),
         running=sum(s.running for s in states),
@@ -91,5 +80,4 @@ def merge_states(states: Iterable[EngineState]) -> EngineState:
         kv_blocks_total=sum(s.kv_blocks_total for s in states),
         kv_blocks_used=sum(s.kv_blocks_used for s in states),
         draft_nodes=max(nodes) if nodes else None,
-        auto_expected=tuple(map(sum, zip(*expected))) if expected else None,  # type: ignore[arg-type]
     )

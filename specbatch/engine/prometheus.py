@@ -133,11 +133,6 @@ class _EngineCollector(Collector):
                 "Share of decoding steps in which some request drafted.",
                 nan if m.decoding_steps == 0 else m.drafting_steps / m.decoding_steps,
             ),
-            (
-                "spec_decode_estimated_speedup",
-                "auto: its plans' expected tokens/s over no drafts', from measured pass costs.",
-                nan if (gain := st.estimated_speedup) is None else gain,
-            ),
         )
         counters = (
             ("prompt_tokens", "Prompt tokens processed.", m.num_prompt_tokens),

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from specbatch.engine.data_parallel import DataParallelEngine, create_engine
-from specbatch.engine.engine_state import EngineState
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.entrypoints.flags import (
     add_engine_flags,
@@ -221,9 +220,5 @@ def _drive(
         )
     if speculative and spec.get("drafting_share") is not None:
         summary += f"; drafts in {100 * spec['drafting_share']:.0f}% of decoding steps"
-        state = engine.state() if isinstance(engine, DataParallelEngine) else EngineState.of(engine)
-        gain = state.estimated_speedup
-        if gain is not None:
-            summary += f" (estimated {gain:.2f}x the tokens/s of no drafts)"
     _say(summary)
     return 1 if num_rejected else 0

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
@@ -80,15 +79,6 @@ def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
     return shapes
 
 
-def speedup_of(expected: Sequence[float]) -> float | None:
-    """Expected tokens/s of the chosen plans over no drafts' from ``DraftController.expected``
-    (summed over engines, too); None before both were measured."""
-    tok, sec, tok0, sec0 = expected
-    if not (sec and sec0 and tok0):
-        return None
-    return (tok / sec) / (tok0 / sec0)
-
-
 @dataclass
 class _Step:
     """What one step's choice reads, and the plans it priced."""
@@ -117,11 +107,10 @@ class _Step:
 
 @dataclass
 class _Choice:
-    """A choice that later steps reading about the same reuse, with its estimates."""
+    """A choice that later steps reading about the same reuse."""
 
     read: _Step
     plan: Shapes
-    estimates: tuple[tuple[float, float | None], tuple[float, float | None]]
     steps_left: int
 
 
@@ -146,8 +135,6 @@ class DraftController:
         self._steps: defaultdict[int, int] = defaultdict(int)
         self._choice: _Choice | None = None
         self._idle = 0  # steps since a plan last drafted (the probes' loss is paid from it)
-        # the chosen plans' expected tokens and seconds, and those of no drafts, summed
-        self.expected = [0.0, 0.0, 0.0, 0.0]
 
     # ---- expectations --------------------------------------------------------------------
     def class_rate(self, cls: SamplingClass) -> float:
@@ -244,17 +231,12 @@ class DraftController:
             plan = self._best(step, rate, none)
             if probe:
                 plan = self._runner_up(step, rate, plan, groups)
-            estimates = (self._estimate(step, plan), self._estimate(step, none))
-            choice = _Choice(step, plan, estimates, REUSE_STEPS)
+            choice = _Choice(step, plan, REUSE_STEPS)
             if not probe:  # a probe's plan is not the choice
                 self._choice = choice
         choice.steps_left -= 1
         plan = choice.plan
         self._idle = 0 if any(s.nodes for s in plan.values()) else self._idle + 1
-        for i, (tokens, seconds) in zip((0, 2), choice.estimates, strict=True):  # the effect
-            if seconds:
-                self.expected[i] += tokens
-                self.expected[i + 1] += seconds
         return [plan[sampling_class(r)] for r in requests]
 
     def _catch_up(self, requests: list[Request], rates: Rates) -> float:
@@ -343,12 +325,6 @@ class DraftController:
         if value(plan[c]) - value(pick) > allowed:
             return plan
         return {**plan, c: pick}
-
-    @property
-    def estimated_speedup(self) -> float | None:
-        """The chosen plans' expected tokens per second over those of no drafts, in the steps
-        run so far, from the measured pass costs (what the engine can know of its effect)."""
-        return speedup_of(self.expected)
 
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
