@@ -273,11 +273,11 @@ class Eagle3HeadPlan(_FlatLayers):
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` and the logits of every row (float32) in one kernel call, the same
-        computation; None where the head's LM head is not packed over the full vocabulary."""
-        if self.lm_head is None:
-            return None
+        computation; only where ``lm_head`` is set (the head's LM head packed over the full
+        vocabulary)."""
+        assert self.lm_head is not None
         t, hidden = features.shape
         if features.stride(-1) != 1:
             features = features.contiguous()

@@ -268,12 +268,9 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` then ``compute_logits`` of every row: the next pass's feature and q's
         logits (one kernel call where the CPU plan covers the LM head)."""
-        if self.cpu_plan is not None:
-            fused = self.cpu_plan.forward_logits(
-                self.embed(input_ids), features, positions, kv_cache, meta
-            )
-            if fused is not None:
-                return fused
+        plan = self.cpu_plan
+        if plan is not None and plan.lm_head is not None:
+            return plan.forward_logits(self.embed(input_ids), features, positions, kv_cache, meta)
         feature, hidden = self(input_ids, features, positions, kv_cache, meta)
         return feature, self.compute_logits(hidden)
 
