@@ -218,7 +218,8 @@ class CpuDecoderPlan(_FlatLayers):
 
 
 class Eagle3HeadPlan(_FlatLayers):
-    """An EAGLE-3 head's pass (``EagleHead.forward``) up to its final norm."""
+    """An EAGLE-3 head's pass (``EagleHead.forward``) as one kernel call, its logits in the same
+    call where ``lm_head`` is set."""
 
     def __init__(self, kernels: CpuKernels, head: Any, layer: _Layer) -> None:
         super().__init__(kernels, head.self_attn, float(head.norm.eps))
@@ -252,19 +253,8 @@ class Eagle3HeadPlan(_FlatLayers):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t, hidden = features.shape
-        if features.stride(-1) != 1:
-            features = features.contiguous()
-        e, f = self.new(t, hidden), self.new(t, hidden)
-        self.norm(t, embedded, self.embed_norm, e)
-        self.norm(t, features, self.feature_norm, f)
-        residual, down = features.clone(), self.new(t, hidden)
-        x = torch.cat([e, f], dim=-1)
-        self.core(t, self.desc, x, residual, down, positions, cache, meta)
-        pre = down + residual
-        out = self.new(t, hidden)
-        self.norm(t, pre, self.final_norm, out)
-        return pre, out
+        """The next pass's feature and the normed hidden states, as ``EagleHead.forward``."""
+        return self._pass(embedded, features, positions, cache, meta, logits=False)
 
     def forward_logits(
         self,
@@ -274,25 +264,41 @@ class Eagle3HeadPlan(_FlatLayers):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` and the logits of every row (float32) in one kernel call, the same
-        computation; only where ``lm_head`` is set (the head's LM head packed over the full
-        vocabulary)."""
-        assert self.lm_head is not None
+        """The next pass's feature and every row's logits (float32); only where ``lm_head`` is
+        set (the head's LM head packed over the full vocabulary)."""
+        return self._pass(embedded, features, positions, cache, meta, logits=True)
+
+    def _pass(
+        self,
+        embedded: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        logits: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t, hidden = features.shape
         if features.stride(-1) != 1:
             features = features.contiguous()
+        embedded = embedded.contiguous()  # rows read ``hidden`` apart
         pre = self.new(t, hidden)
-        logits = torch.empty((t, self.lm_head.out_features), dtype=torch.float32)
+        lm_head = self.lm_head if logits else None
+        if logits:
+            assert lm_head is not None
+            out = torch.empty((t, lm_head.out_features), dtype=torch.float32)
+        else:
+            out = self.new(t, hidden)
         k_cache, v_cache = cache
         self.m.eagle3_pass(
             self.desc.fields.data_ptr(), t, embedded.data_ptr(), features.data_ptr(),
             features.stride(0), self.embed_norm.data_ptr(), self.feature_norm.data_ptr(),
-            self.final_norm.data_ptr(), self.lm_head.panels.data_ptr(),
-            self.lm_head.out_features, pre.data_ptr(), logits.data_ptr(), positions.data_ptr(),
-            meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
+            self.final_norm.data_ptr(), None if lm_head is None else lm_head.panels.data_ptr(),
+            0 if lm_head is None else lm_head.out_features, pre.data_ptr(),
+            None if logits else out.data_ptr(), out.data_ptr() if logits else None,
+            positions.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
             meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
             meta.block_tables.data_ptr(), meta.block_tables.stride(0), _ptr(meta.tree_masks),
             _ptr(meta.tree_starts), self.eps, self.scale, self.bf16,
         )  # fmt: skip
-        return pre, logits
+        return pre, out

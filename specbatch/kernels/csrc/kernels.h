@@ -69,13 +69,13 @@ int sb_layer_core(const int64_t* desc, int t, const void* x, void* residual, voi
                   const int64_t* seq_lens, const int64_t* block_tables, long bt_stride,
                   const uint64_t* tree, const int64_t* tree_starts, float eps, float scale,
                   int bf16);
-/* An EAGLE-3 head's pass with its logits: x = [norm(embedded); norm(features)], the layer
- * (sb_layer_core) with the features as its residual, pre = residual + mlp, logits [t, vocab]
- * float32 = lm_head(norm(pre)); pre [t, hidden] is the next pass's feature */
+/* An EAGLE-3 head's pass: x = [norm(embedded); norm(features)], the layer (sb_layer_core)
+ * with the features as its residual, pre = residual + mlp (the next pass's feature), into
+ * normed_out (unless NULL) norm(pre), into logits (unless NULL) float32 lm_head(norm(pre)) */
 int sb_eagle3_pass(const int64_t* desc, int t, const void* embedded, const void* features,
                    long ldf, const void* embed_norm, const void* feature_norm,
                    const void* final_norm, const void* lm_head, int vocab, void* pre,
-                   float* logits, const int64_t* positions, const int64_t* slots, void* k_cache,
+                   void* normed_out, float* logits, const int64_t* positions, const int64_t* slots, void* k_cache,
                    void* v_cache, int kv_heads_stride, int block_size, int num_seqs,
                    const int64_t* qsl, const int64_t* seq_lens, const int64_t* block_tables,
                    long bt_stride, const uint64_t* tree, const int64_t* tree_starts, float eps,

@@ -111,7 +111,7 @@ static void add_rows(int t, int n, void* a, const void* b, int bf16) {
 int sb_eagle3_pass(const int64_t* desc, int t, const void* embedded, const void* features,
                    long ldf, const void* embed_norm, const void* feature_norm,
                    const void* final_norm, const void* lm_head, int vocab, void* pre,
-                   float* logits, const int64_t* positions, const int64_t* slots, void* k_cache,
+                   void* normed_out, float* logits, const int64_t* positions, const int64_t* slots, void* k_cache,
                    void* v_cache, int kv_heads_stride, int block_size, int num_seqs,
                    const int64_t* qsl, const int64_t* seq_lens, const int64_t* block_tables,
                    long bt_stride, const uint64_t* tree, const int64_t* tree_starts, float eps,
@@ -121,7 +121,7 @@ int sb_eagle3_pass(const int64_t* desc, int t, const void* embedded, const void*
     char* block = (char*)malloc((size_t)t * row * 5);
     if (!block) return -1;
     char *e = block, *f = e + t * row, *x = f + t * row, *down = x + 2 * t * row;
-    char* normed = e; /* e and f are spent once x holds them */
+    char* normed = normed_out ? (char*)normed_out : e; /* e is spent once x holds it */
     sb_rms_norm(t, h, embedded, h, NULL, embed_norm, eps, e, bf16);
     sb_rms_norm(t, h, features, ldf, NULL, feature_norm, eps, f, bf16);
     for (int r = 0; r < t; r++) {
@@ -135,10 +135,10 @@ int sb_eagle3_pass(const int64_t* desc, int t, const void* embedded, const void*
     if (rc == 0) {
         add_rows(t, h, pre, down, bf16);
         sb_rms_norm(t, h, pre, h, NULL, final_norm, eps, normed, bf16);
-        if (bf16)
+        if (logits && bf16)
             sb_linear_bf16(t, vocab, h, (const uint16_t*)normed, h, (const uint16_t*)lm_head,
                            NULL, logits, vocab, 1);
-        else
+        else if (logits)
             sb_linear_f32(t, vocab, h, (const float*)normed, h, (const float*)lm_head, NULL,
                           logits, vocab);
     }

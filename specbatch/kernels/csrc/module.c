@@ -86,12 +86,12 @@ static PyObject* py_layer_core(PyObject* self, PyObject* const* args, Py_ssize_t
 static PyObject* py_eagle3_pass(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     (void)self;
     arg_t a[32];
-    if (parse(args, n, "pippippppippppppiiipppippffi", a) < 0) return NULL;
+    if (parse(args, n, "pippippppipppppppiiipppippffi", a) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = sb_eagle3_pass(
         P(0), I(1), P(2), P(3), L(4), P(5), P(6), P(7), P(8), I(9), P(10), P(11), P(12), P(13),
-        P(14), P(15), I(16), I(17), I(18), P(19), P(20), P(21), L(22), P(23), P(24), F(25), F(26),
-        I(27));
+        P(14), P(15), P(16), I(17), I(18), I(19), P(20), P(21), P(22), L(23), P(24), P(25), F(26),
+        F(27), I(28));
     Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
