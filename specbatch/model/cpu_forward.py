@@ -252,31 +252,10 @@ class Eagle3HeadPlan(_FlatLayers):
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next pass's feature and the normed hidden states, as ``EagleHead.forward``."""
-        return self._pass(embedded, features, positions, cache, meta, logits=False)
-
-    def forward_logits(
-        self,
-        embedded: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next pass's feature and every row's logits (float32); only where ``lm_head`` is
-        set (the head's LM head packed over the full vocabulary)."""
-        return self._pass(embedded, features, positions, cache, meta, logits=True)
-
-    def _pass(
-        self,
-        embedded: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        logits: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next pass's feature, and the normed hidden states as ``EagleHead.forward`` or,
+        with ``logits`` (only where ``lm_head`` is set), every row's float32 logits."""
         t, hidden = features.shape
         if features.stride(-1) != 1:
             features = features.contiguous()

@@ -270,7 +270,7 @@ class EagleHead(nn.Module):
         logits (one kernel call where the CPU plan covers the LM head)."""
         plan = self.cpu_plan
         if plan is not None and plan.lm_head is not None:
-            return plan.forward_logits(self.embed(input_ids), features, positions, kv_cache, meta)
+            return plan.forward(self.embed(input_ids), features, positions, kv_cache, meta, True)
         feature, hidden = self(input_ids, features, positions, kv_cache, meta)
         return feature, self.compute_logits(hidden)
 
