@@ -150,9 +150,25 @@ class _FlatLayers:
     ) -> None:
         """One kernel call for the layer of ``desc``: ``residual += attention(x)`` (x normed,
         contiguous), then ``y = mlp(post_norm(residual))``."""
-        k_cache, v_cache = cache
         self.m.layer_core(
-            desc.fields.data_ptr(), t, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
+            desc.fields.data_ptr(),
+            t,
+            x.data_ptr(),
+            residual.data_ptr(),
+            y.data_ptr(),
+            *self.attention_args(positions, cache, meta),
+        )
+
+    def attention_args(
+        self,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple:
+        """The arguments csrc/layer.c's calls end with: positions, slots, the K/V caches, the
+        attention metadata, eps, scale and the dtype flag."""
+        k_cache, v_cache = cache
+        return (
             positions.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
             meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
@@ -267,17 +283,12 @@ class Eagle3HeadPlan(_FlatLayers):
             out = torch.empty((t, lm_head.out_features), dtype=torch.float32)
         else:
             out = self.new(t, hidden)
-        k_cache, v_cache = cache
         self.m.eagle3_pass(
             self.desc.fields.data_ptr(), t, embedded.data_ptr(), features.data_ptr(),
             features.stride(0), self.embed_norm.data_ptr(), self.feature_norm.data_ptr(),
             self.final_norm.data_ptr(), None if lm_head is None else lm_head.panels.data_ptr(),
             0 if lm_head is None else lm_head.out_features, pre.data_ptr(),
             None if logits else out.data_ptr(), out.data_ptr() if logits else None,
-            positions.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
-            meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-            meta.block_tables.data_ptr(), meta.block_tables.stride(0), _ptr(meta.tree_masks),
-            _ptr(meta.tree_starts), self.eps, self.scale, self.bf16,
+            *self.attention_args(positions, cache, meta),
         )  # fmt: skip
         return pre, out
