@@ -1,16 +1,14 @@
-"""Decoder layers run as flat sequences of CPU kernel calls: a Llama-family target's stack
-(``CpuDecoderPlan``) and an EAGLE-3 head's layer (``Eagle3HeadPlan``).
+"""Decoder layers run as a few CPU kernel calls: a Llama-family target's stack
+(``CpuDecoderPlan``) and an EAGLE-3 head's pass (``Eagle3HeadPlan``).
 
 The module path (every layer's modules, one call each per op) spends more time in Python than
 the kernels take at small batches: a module call, a tensor allocation and a few attribute
 lookups per op, a dozen ops per layer. A plan resolves every weight's address, shape and flag
-once, when the kernels are switched on; a forward is then the same kernel calls with the same
-arguments in the same order, into a few buffers the layers share, so its outputs and the K/V it
-writes are bit for bit the module path's.
-
-A layer's attention and MLP are one kernel call (``csrc/layer.c``) that reads the layer's weights
-from a descriptor: their addresses, written when the plan is built and again by ``refresh``
-after weights are re-pointed (engines sharing one copy).
+once, when the kernels are switched on: a layer's attention and MLP are then one kernel call
+(``csrc/layer.c``) reading the layer's weights from a descriptor of their addresses (written
+again by ``refresh`` after weights are re-pointed, as engines sharing one copy do), and a
+head's pass one more. They run the module path's kernels in the same order on the same values,
+so the outputs and the K/V written are bit for bit the module path's.
 
 A plan is built only where every op has a kernel: one rank (no all-reduce inside the stack),
 packed weights, the CPU attention backend.
@@ -144,37 +142,38 @@ class _FlatLayers:
         x: torch.Tensor,
         residual: torch.Tensor,
         y: torch.Tensor,
-        positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        step: _StepArgs,
     ) -> None:
         """One kernel call for the layer of ``desc``: ``residual += attention(x)`` (x normed,
         contiguous), then ``y = mlp(post_norm(residual))``."""
         self.m.layer_core(
-            desc.fields.data_ptr(),
-            t,
-            x.data_ptr(),
-            residual.data_ptr(),
-            y.data_ptr(),
-            *self.attention_args(positions, cache, meta),
-        )
-
-    def attention_args(
-        self,
-        positions: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> tuple:
-        """The arguments csrc/layer.c's calls end with: positions, slots, the K/V caches, the
-        attention metadata, eps, scale and the dtype flag."""
-        k_cache, v_cache = cache
-        return (
-            positions.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], meta.seq_lens.shape[0],
-            meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-            meta.block_tables.data_ptr(), meta.block_tables.stride(0), _ptr(meta.tree_masks),
-            _ptr(meta.tree_starts), self.eps, self.scale, self.bf16,
+            desc.fields.data_ptr(), t, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
+            *step.around(cache),
         )  # fmt: skip
+
+    def step_args(self, positions: torch.Tensor, meta: AttentionMetadata) -> _StepArgs:
+        """What every layer.c call of one forward passes alike."""
+        return _StepArgs(
+            (positions.data_ptr(), meta.slot_mapping.data_ptr()),
+            (meta.seq_lens.shape[0], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+             meta.block_tables.data_ptr(), meta.block_tables.stride(0), _ptr(meta.tree_masks),
+             _ptr(meta.tree_starts), self.eps, self.scale, self.bf16),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _StepArgs:
+    """The arguments csrc/layer.c's calls end with, read once a forward: positions and slots,
+    then (after a layer's K/V caches) the attention metadata, eps, scale and the dtype flag."""
+
+    head: tuple
+    tail: tuple
+
+    def around(self, cache: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        k_cache, v_cache = cache
+        return (*self.head, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                k_cache.shape[3], *self.tail)  # fmt: skip
 
 
 class CpuDecoderPlan(_FlatLayers):
@@ -217,7 +216,7 @@ class CpuDecoderPlan(_FlatLayers):
         t, hidden = h.shape
         normed, x = self.new(t, hidden), self.new(t, hidden)
         seen: dict[int, torch.Tensor] = {0: h.clone()} if 0 in streams else {}
-        residual = h
+        residual, step = h, self.step_args(positions, meta)
         layers = zip(self.layers, self.descs, kv_caches, strict=True)
         for i, (lay, desc, cache) in enumerate(layers):
             assert lay.in_norm is not None
@@ -225,7 +224,7 @@ class CpuDecoderPlan(_FlatLayers):
                 self.norm(t, h, lay.in_norm, normed)
             else:
                 self.norm(t, x, lay.in_norm, normed, residual)
-            self.core(t, desc, normed, residual, x, positions, cache, meta)
+            self.core(t, desc, normed, residual, x, cache, step)
             if i + 1 in streams:
                 seen[i + 1] = x + residual
         final = self.new(t, hidden)
@@ -289,6 +288,6 @@ class Eagle3HeadPlan(_FlatLayers):
             self.final_norm.data_ptr(), None if lm_head is None else lm_head.panels.data_ptr(),
             0 if lm_head is None else lm_head.out_features, pre.data_ptr(),
             None if logits else out.data_ptr(), out.data_ptr() if logits else None,
-            *self.attention_args(positions, cache, meta),
+            *self.step_args(positions, meta).around(cache),
         )  # fmt: skip
         return pre, out

@@ -15,6 +15,7 @@ token position ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -211,14 +212,10 @@ def sdpa(
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
     extra = {"enable_gqa": True} if gqa else {}
-    if q.is_cuda:  # cuDNN's kernel fails on some of these strided, grouped bf16 calls
-        with sdpa_kernel(_CUDA_SDPA):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
-            )
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
-    )
+    with sdpa_kernel(_CUDA_SDPA) if q.is_cuda else nullcontext():
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
+        )
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
