@@ -47,3 +47,16 @@ def test_states_add_up() -> None:
         5,
     )
     assert total.draft_nodes == 5 and merge_states([plain]).draft_nodes is None
+
+
+def test_a_replica_state_older_than_the_one_held_is_not_taken() -> None:
+    """Replies may arrive out of order: a poll's reply read after a fresher ``stats`` one (the
+    request it counted since aborted) must not bring its state back."""
+    from specbatch.engine.data_parallel import DataParallelEngine
+
+    dp = DataParallelEngine.__new__(DataParallelEngine)  # the bookkeeping alone, no replicas
+    dp._states = [EngineState(snapshot=5)]
+    dp._take_state(0, EngineState(running=1, kv_blocks_used=10, snapshot=4))
+    assert (dp._states[0].running, dp._states[0].kv_blocks_used) == (0, 0)
+    dp._take_state(0, EngineState(running=2, kv_blocks_used=3, snapshot=6))
+    assert (dp._states[0].running, dp._states[0].kv_blocks_used) == (2, 3)

@@ -274,7 +274,7 @@ class DataParallelEngine:
         meanwhile left out)."""
         if not self.replicas[i].alive:  # a late reply from a replica already down
             return []
-        self._states[i] = update.state
+        self._take_state(i, update.state)
         self._waiting[i] = update.waiting
         self.router.update(i, update.applied_seq, update.outstanding_tokens)
         if update.error is not None:
@@ -294,6 +294,12 @@ class DataParallelEngine:
                 entry.delivered = True
             outputs.append(out)
         return outputs
+
+    def _take_state(self, i: int, state: EngineState) -> None:
+        """Replica ``i``'s state, unless one it published later already arrived (a poll's reply
+        read after a fresher ``stats``)."""
+        if state.snapshot >= self._states[i].snapshot:
+            self._states[i] = state
 
     def lose(self, i: int, why: str) -> None:
         """Replica ``i`` is down: its requests go to the others, but those already partly
@@ -371,7 +377,8 @@ class DataParallelEngine:
         states: list[EngineState | None] = [None] * len(self.replicas)
         for i, ref in refs.items():
             try:
-                states[i] = self._states[i] = ray.get(ref, timeout=STATS_TIMEOUT_S + 5)
+                states[i] = ray.get(ref, timeout=STATS_TIMEOUT_S + 5)
+                self._take_state(i, states[i])
             except ray.exceptions.RayError as e:
                 self.lose(i, failure_of(e))
         return states

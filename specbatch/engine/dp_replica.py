@@ -141,7 +141,7 @@ class EngineReplica:
             executor = RayExecutor(config, placement=placement)
         self.engine = LLMEngine(config, executor)
         with self._cond:
-            self._state = EngineState.of(self.engine, copy_metrics=True)
+            self._state = self._stamped(EngineState.of(self.engine, copy_metrics=True))
         self._thread = threading.Thread(
             target=self._loop, args=(threads,), name=f"specbatch-dp{self.index}", daemon=True
         )
@@ -278,6 +278,11 @@ class EngineReplica:
                 sent.append(out)
         return sent
 
+    def _stamped(self, state: EngineState) -> EngineState:
+        """``state`` numbered after the last one published (call holding ``_cond``)."""
+        state.snapshot = self._state.snapshot + 1
+        return state
+
     def _publish(
         self,
         controls: list[Control],
@@ -293,7 +298,7 @@ class EngineReplica:
             self._in_transit = 0
             if controls:
                 self._applied_seq = controls[-1].seq
-            self._state = state
+            self._state = self._stamped(state)
             self._outstanding = outstanding
             self._error = error
             self._cond.notify_all()

@@ -27,6 +27,9 @@ class EngineState:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     draft_nodes: int | None = None  # with num_speculative_tokens=auto: the largest draft
+    # a data-parallel replica's count of the states it published up to this one (0 elsewhere):
+    # replies may arrive out of order, and a state only replaces one of a smaller count
+    snapshot: int = 0
 
     @classmethod
     def of(cls, engine: LLMEngine, copy_metrics: bool = False) -> EngineState:
