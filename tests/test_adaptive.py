@@ -38,11 +38,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=200)
 HOT = SamplingParams(temperature=1.0, max_tokens=200)
 
 
-def make_request(rid: str, params: SamplingParams = GREEDY, accepted=0, rejections=0) -> Request:
+GREEDY_CLASS = (0.0, 1.0, 0, 0.0)
+
+
+def make_request(rid: str, params: SamplingParams = GREEDY) -> Request:
     req = Request(rid, [1, 2, 3, 4], params, max_model_len=256)
     req.num_computed = req.num_draft_computed = 3  # decoding: one token to go
-    req.spec.accepted, req.spec.rejections = accepted, rejections
     return req
+
+
+def accepting(ctl: DraftController, alpha: float, cls=GREEDY_CLASS) -> DraftController:
+    """``ctl`` having seen the class accept ``alpha`` of 10,000 drafts (at every depth)."""
+    ctl.tested[cls] = [alpha * 10_000, 10_000]
+    ctl.by_depth.pop(cls, None)
+    ctl._choice = None
+    return ctl
 
 
 # a machine where rows are nearly free up to 16 and cost linearly beyond (a GPU or AMX), and a
@@ -129,6 +139,24 @@ def test_drafts_accepted_less_deeper_in_the_chain_shorten_it():
         assert shape.depth == (4 if params is flat else 2), (params, shape)
 
 
+def test_drafts_are_priced_as_cut_by_max_tokens():
+    """A request two tokens from its max_tokens has room for one draft, which is all a deeper
+    chain would bring it: both are priced alike (tokens and seconds); with room, not."""
+    ctl = accepting(priced(ladder(4, 1, 4)), 0.7)
+    one, four = DraftShape.chain(1), DraftShape.chain(4)
+    estimates = {}
+    for max_tokens in (2, 200):
+        ctl._choice = None
+        ctl.draft_shapes(
+            [make_request("a", SamplingParams(temperature=0.0, max_tokens=max_tokens))]
+        )
+        step = ctl._choice.read
+        estimates[max_tokens] = [ctl._estimate(step, {GREEDY_CLASS: s}) for s in (one, four)]
+    assert estimates[2][1] == pytest.approx(estimates[2][0])
+    assert estimates[200][1][0] > estimates[200][0][0] + 0.5  # tokens
+    assert estimates[200][1][1] > estimates[200][0][1]  # seconds
+
+
 def test_a_trees_measured_yield_replaces_its_bound():
     tree = DraftShape(3, 2, 6)
     ctl = DraftController(ladder(3, 2, 6))
@@ -143,9 +171,9 @@ def test_a_trees_measured_yield_replaces_its_bound():
 def test_drafts_at_batch_one_and_stops_where_rows_cost_more_than_they_return():
     """The issue's test: with step costs that make drafting lose at large batches, the
     controller drafts at batch 1 and stops drafting there."""
-    ctl = priced(ladder(4, 1, 4))
+    ctl = accepting(priced(ladder(4, 1, 4)), 0.7)
     for n in (1, 256):
-        reqs = [make_request(str(i), accepted=70, rejections=30) for i in range(n)]
+        reqs = [make_request(str(i)) for i in range(n)]
         shapes = ctl.draft_shapes(reqs)
         if n == 1:
             assert shapes[0].nodes >= 2  # rows are free: draft deep
@@ -163,7 +191,7 @@ def test_a_prompt_carrying_step_is_priced_at_its_margin():
     def memory_bound(rows: int) -> float:
         return 0.002 + 0.00005 * max(0, rows - 8)
 
-    reqs = [make_request(str(i), accepted=60, rejections=40) for i in range(4)]
+    reqs = [make_request(str(i)) for i in range(4)]
     ctl = priced(ladder(4, 1, 4), target=compute_bound)
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2000))
     ctl = priced(ladder(4, 1, 4), target=memory_bound)
@@ -180,7 +208,7 @@ def test_drafts_that_pay_only_beside_prompts_are_not_made():
     def steep_then_flat(rows: int) -> float:
         return 0.0002 * min(rows, 64) + 0.000001 * max(0, rows - 64)
 
-    reqs = [make_request(str(i), accepted=60, rejections=40) for i in range(32)]
+    reqs = [make_request(str(i)) for i in range(32)]
     ctl = priced(ladder(4, 1, 4), target=steep_then_flat)
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=0))
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2000))
@@ -195,22 +223,23 @@ def test_draft_rows_inside_a_measured_bucket_are_not_free():
         ctl.target.observe(rows, 0.0002 * rows)
         ctl.catch_up.observe(rows, 0.00002 * rows)
         ctl.depth.observe(rows, 0.00002 * rows)
-    reqs = [make_request(str(i), accepted=70, rejections=30) for i in range(32)]
+    accepting(ctl, 0.7)
+    reqs = [make_request(str(i)) for i in range(32)]
     assert row_bucket(2016 + 32) == row_bucket(2016 + 32 * 5)
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2016))
 
 
 def test_deeper_drafts_for_higher_acceptance_and_trees_where_rows_are_free():
     ctl = priced(ladder(4, 4, 16))
-    low = ctl.draft_shapes([make_request("a", accepted=20, rejections=80)])[0]
-    high = ctl.draft_shapes([make_request("b", accepted=95, rejections=5)])[0]
-    assert high.depth >= low.depth
-    assert not ctl.draft_shapes([make_request("c", accepted=50, rejections=50)])[0].is_chain
+    low = accepting(ctl, 0.2).draft_shapes([make_request("a")])[0]
+    high = accepting(ctl, 0.95).draft_shapes([make_request("b")])[0]
+    assert high.depth > low.depth
+    assert not accepting(ctl, 0.5).draft_shapes([make_request("c")])[0].is_chain
 
 
 def test_each_sampling_class_gets_its_own_shape():
     ctl = priced(ladder(4, 1, 4), target=lambda r: 0.002 + 0.00005 * r)
-    ctl.tested[(0.0, 1.0, 0, 0.0)] = [9500, 10000]  # greedy requests accept almost all
+    ctl.tested[GREEDY_CLASS] = [9500, 10000]  # greedy requests accept almost all
     ctl.tested[(1.0, 1.0, 0, 0.0)] = [500, 10000]  # hot ones almost none
     reqs = [make_request(str(i), GREEDY if i % 2 else HOT) for i in range(32)]
     shapes = ctl.draft_shapes(reqs)
@@ -221,8 +250,8 @@ def test_each_sampling_class_gets_its_own_shape():
 
 
 def test_runs_the_runner_up_every_probe_period():
-    ctl = priced(ladder(4, 1, 4))
-    reqs = [make_request("a", accepted=70, rejections=30)]
+    ctl = accepting(priced(ladder(4, 1, 4)), 0.7)
+    reqs = [make_request("a")]
     seen = [ctl.draft_shapes(reqs)[0] for _ in range(2 * PROBE_EVERY)]
     assert len(set(seen)) == 2
     assert sum(s != seen[0] for s in seen) == 2
@@ -232,13 +261,16 @@ def test_a_choice_stands_while_what_it_reads_stays_and_no_longer():
     """A step reading the same batch, prompt rows and acceptance as the last choice reuses it,
     for at most ``REUSE_STEPS`` steps; a change in any of them is priced at once."""
     ctl = priced(ladder(4, 1, 4))
-    one = [make_request("a", accepted=70, rejections=30)]
+    accepting(ctl, 0.7)
+    one = [make_request("a")]
     drafts = ctl.draft_shapes(one)[0]
     assert drafts.nodes
-    many = [make_request(str(i), accepted=70, rejections=30) for i in range(256)]
+    many = [make_request(str(i)) for i in range(256)]
     assert all(s.nodes == 0 for s in ctl.draft_shapes(many))  # a new batch: priced
     assert ctl.draft_shapes(one)[0] == drafts
-    assert ctl.draft_shapes([make_request("b", accepted=2, rejections=98)])[0].nodes < drafts.nodes
+    ctl.tested[GREEDY_CLASS] = [200, 10_000]  # the class's acceptance moved: priced at once
+    assert ctl.draft_shapes(one)[0].nodes < drafts.nodes
+    ctl.tested[GREEDY_CLASS] = [7_000, 10_000]
     ctl.draft_shapes(one)
     ctl.rest_plain = RowCosts()  # what the choice priced changes: drafts now cost a step each
     ctl.rest_drafting.observe(1, 1.0)
@@ -282,7 +314,8 @@ def test_drafts_priced_too_dear_are_probed_again_in_time():
         curve.observe(1, 1.0)  # a first call: left out
         for rows in (1, 2, 4):
             curve.observe(rows, 10 * cheap_drafter(rows))
-    one = [make_request("a", accepted=90, rejections=10)]
+    accepting(ctl, 0.9)
+    one = [make_request("a")]
     seen = [ctl.draft_shapes(one)[0] for _ in range(PROBE_EVERY)]
     assert all(s.nodes == 0 for s in seen)
     first = next(i for i in range(1024) if ctl.draft_shapes(one)[0].nodes)

@@ -289,11 +289,12 @@ class LLMEngine:
             return failed
         result = self.executor.execute(plan)
         touched = self.scheduler.update(plan, result)
-        seconds = time.perf_counter() - start
+        outputs = self._outputs_of(touched)
+        seconds = time.perf_counter() - start  # the whole step: the policy prices it all
         if not self.scheduler.lag.asleep:  # a sleeping drafter's policy learns nothing
             self.scheduler.policy.observe(plan, result, seconds)
         self.metrics.on_step(plan, result, seconds)
-        return failed + self._outputs_of(touched)
+        return failed + outputs
 
     def _outputs_of(self, touched: list[Request]) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

@@ -6,14 +6,15 @@ priced by what this machine's passes cost and what the requests are expected to 
 step runs the best. docs/ADAPTIVE.md explains it; the choice reads only earlier steps, so the
 output law is the target's whatever it picks.
 
-Tokens. A request's ``alpha`` (accepted / tested drafts) leans on its sampling class's rate
-(``PRIOR_WEIGHT`` pseudo-tests), which leans on the rate of every class, starting at
-``PRIOR_ALPHA``. A draft deeper in a chain is accepted less often (the drafter reads more of its
-own guesses), so each class also counts its chains' tests and acceptances at each depth: the
-acceptance at depth d is that rate (leaning on the class's rate), scaled by how far the
-requests' own rate stands from the class's. A chain of k drafts yields
-``1 + a_1 + a_1 a_2 + ... + a_1 ... a_k`` tokens a round, THEORY.md's
-``E(a, k) = (1 - a^(k+1)) / (1 - a)`` when every ``a_d`` is ``a``. A tree of depth D accepts
+Tokens. A sampling class's ``alpha`` (accepted / tested drafts of its requests) leans on the
+rate of every class (``PRIOR_WEIGHT`` pseudo-tests), starting at ``PRIOR_ALPHA``. A draft deeper
+in a chain may be accepted less often (the drafter reads more of its own guesses), so each class
+also counts its chains' tests and acceptances at each depth: the acceptance at depth d is that
+rate, leaning on the class's. A request's own record is not read: a few rounds of it are noise,
+and a shape chosen because a request looked lucky yields less than priced. A chain of k drafts
+yields ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_k`` tokens a round (THEORY.md's
+``E(a, k) = (1 - a^(k+1)) / (1 - a)`` when every ``a_d`` is ``a``), cut to the drafts the
+request's max_tokens leaves room for. A tree of depth D accepts
 level d with at most ``1 - (1 - a_d)^b`` (b its children per level); its expectation from that
 bound is replaced, as rounds come in, by what trees of that shape yielded in its class.
 
@@ -56,6 +57,7 @@ ALPHA_SLACK = 0.03  # the acceptance a choice stands through
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
+Rooms = dict[SamplingClass, dict[int, int]]  # per class: draft room -> requests with that room
 Alphas = dict[SamplingClass, float]
 Rates = tuple[float, ...]  # the acceptance at each depth 1, 2, ...
 Shapes = dict[SamplingClass, DraftShape]  # a plan: each class's shape
@@ -84,6 +86,7 @@ class _Step:
     """What one step's choice reads, and the plans it priced."""
 
     counts: Counts
+    rooms: Rooms  # the drafts each request's max_tokens leaves room for (a shape is cut to it)
     alphas: Alphas
     rates: dict[SamplingClass, Rates]
     behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
@@ -91,11 +94,16 @@ class _Step:
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
     def near(self, other: _Step) -> bool:
-        """Whether a choice priced reading ``other`` stands for this step: the same batch and
-        prompt rows, each class's acceptance within ``ALPHA_SLACK`` and its catch-up rows a
-        request within a factor of four (one more or fewer draft accepted last round moves
-        them; a request arriving with its whole prompt to catch up on does not stay near)."""
-        if self.counts != other.counts or self.prompt_rows != other.prompt_rows:
+        """Whether a choice priced reading ``other`` stands for this step: the same batch,
+        rooms and prompt rows, each class's acceptance within ``ALPHA_SLACK`` and its catch-up
+        rows a request within a factor of four (one more or fewer draft accepted last round
+        moves them; a request arriving with its whole prompt to catch up on does not stay
+        near)."""
+        if (self.counts, self.rooms, self.prompt_rows) != (
+            other.counts,
+            other.rooms,
+            other.prompt_rows,
+        ):
             return False
         for c, n in self.counts.items():
             if abs(self.alphas[c] - other.alphas[c]) > ALPHA_SLACK:
@@ -112,6 +120,15 @@ class _Choice:
     read: _Step
     plan: Shapes
     steps_left: int
+
+
+def _fitted(
+    counts: Counts, plan: Shapes, rooms: Rooms | None
+) -> dict[SamplingClass, list[tuple[DraftShape, int]]]:
+    """Each class's shape cut to its requests' rooms: (shape, requests drafting it)."""
+    if rooms is None:
+        return {c: [(plan[c], n)] for c, n in counts.items()}
+    return {c: [(plan[c].fit(room), n) for room, n in rooms[c].items()] for c in counts}
 
 
 class DraftController:
@@ -147,20 +164,12 @@ class DraftController:
         acc, tested = self.tested.get(cls, (0.0, 0.0))
         return lean(acc, tested, overall)
 
-    def alpha(self, cls: SamplingClass, requests: list[Request]) -> float:
-        """The acceptance of these requests of the class, leaning on the class's."""
-        own_acc = sum(r.spec.accepted for r in requests)
-        own_tested = sum(r.spec.accepted + r.spec.rejections for r in requests)
-        return lean(own_acc, own_tested, self.class_rate(cls))
-
-    def depth_rates(self, cls: SamplingClass, alpha: float) -> Rates:
-        """The acceptance at each depth of requests of the class accepting ``alpha``: the
-        class's at that depth (leaning on its rate), times ``alpha`` over its rate."""
+    def depth_rates(self, cls: SamplingClass) -> Rates:
+        """The class's acceptance at each depth, leaning on its rate."""
         rate = self.class_rate(cls)
         counts = self.by_depth.get(cls, [])
-        scale = alpha / rate
         return tuple(
-            min(1.0, scale * lean(*(counts[d] if d < len(counts) else (0.0, 0.0)), rate))
+            min(1.0, lean(*(counts[d] if d < len(counts) else (0.0, 0.0)), rate))
             for d in range(max(self.shape.depth, 1))
         )
 
@@ -181,19 +190,22 @@ class DraftController:
         plan: Shapes,
         prompt_rows: int,
         behind: dict[SamplingClass, float] | None = None,
+        rooms: Rooms | None = None,
     ) -> float | None:
-        """Seconds of a step where each class drafts its shape; ``behind``: the catch-up rows
-        each class's drafts are charged (``_catch_up``)."""
-        rows = prompt_rows + sum(n * (1 + plan[c].nodes) for c, n in counts.items())
+        """Seconds of a step where each class drafts its shape (cut to each request's room,
+        ``rooms``); ``behind``: the catch-up rows each class's drafts are charged
+        (``_catch_up``)."""
+        fitted = _fitted(counts, plan, rooms)
+        rows = prompt_rows + sum(n * (1 + s.nodes) for c in counts for s, n in fitted[c])
         t = self.target.seconds(rows)
         if t is None:
             return None
         catch_up = sum(behind[c] for c in counts if behind and plan[c].nodes)
         if catch_up:
             t += self.catch_up.seconds(catch_up) or 0.0
-        depth = max(s.depth for s in plan.values())
+        depth = max(s.depth for c in counts for s, _ in fitted[c])
         for d in range(1, depth):  # one drafter pass per depth after the first
-            beam = sum(n * plan[c].topk for c, n in counts.items() if plan[c].depth > d)
+            beam = sum(n * s.topk for c in counts for s, n in fitted[c] if s.depth > d)
             t += self.depth.seconds(beam) or 0.0
         plain_rows = prompt_rows + sum(counts.values())
         rest = self.rest_plain.seconds(plain_rows) or 0.0
@@ -212,10 +224,11 @@ class DraftController:
         none = {c: DraftShape() for c in groups}
         if self.target.level is None:  # nothing priced yet
             return [DraftShape()] * len(requests)
-        alphas = {c: self.alpha(c, rs) for c, rs in groups.items()}
-        rates = {c: self.depth_rates(c, a) for c, a in alphas.items()}
+        alphas = {c: self.class_rate(c) for c in groups}
+        rates = {c: self.depth_rates(c) for c in groups}
         step = _Step(
             counts={c: len(rs) for c, rs in groups.items()},
+            rooms={c: self._rooms(rs) for c, rs in groups.items()},
             alphas=alphas,
             rates=rates,
             behind={c: self._catch_up(rs, rates[c]) for c, rs in groups.items()},
@@ -239,6 +252,15 @@ class DraftController:
         self._idle = 0 if any(s.nodes for s in plan.values()) else self._idle + 1
         return [plan[sampling_class(r)] for r in requests]
 
+    def _rooms(self, requests: list[Request]) -> dict[int, int]:
+        """How many of ``requests`` have room for each number of drafts before their
+        max_tokens (beyond the largest shape's lookahead: that many)."""
+        most = self.shape.lookahead
+        rooms: dict[int, int] = defaultdict(int)
+        for r in requests:
+            rooms[min(most, max(0, r.max_output_tokens - len(r.output_token_ids) - 1))] += 1
+        return dict(rooms)
+
     def _catch_up(self, requests: list[Request], rates: Rates) -> float:
         """The rows the drafter's first pass reads for ``requests`` before drafting, as a
         charge on this round: a round's own tokens in full; what the drafter lags beyond them
@@ -259,10 +281,11 @@ class DraftController:
         got = step.memo.get(key)
         if got is None:
             counts = step.counts
-            tokens = sum(n * self.tokens(c, step.rates[c], plan[c]) for c, n in counts.items())
+            fitted = _fitted(counts, plan, step.rooms)
+            tokens = sum(n * self.tokens(c, step.rates[c], s) for c in counts for s, n in fitted[c])
             got = step.memo[key] = (
                 tokens,
-                self.seconds(counts, plan, step.prompt_rows, step.behind),
+                self.seconds(counts, plan, step.prompt_rows, step.behind, step.rooms),
             )
         return got
 
