@@ -323,6 +323,43 @@ def test_auto_with_the_trained_head_equals_transformers(trained) -> None:
     assert llm.engine.metrics.spec.proposed > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_whole_chain_in_one_call_drafts_what_pass_by_pass_does(
+    make_checkpoint, tmp_path, monkeypatch, dtype
+) -> None:
+    """The EAGLE-3 head's chains drafted in one kernel call (csrc/draft_chain.c) and pass by
+    pass in Python: on a batch sampled at temperature 1 and greedily, with chains cut short by
+    max_tokens beside full ones, the same outputs and the same drafts accepted (a draft whose
+    K/V went astray, or whose q differed, would change what is accepted)."""
+    from specbatch.kernels.cpu import cpu_kernels
+    from specbatch.worker.eagle_proposer import EagleProposer
+
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.supports_linear(getattr(torch, dtype)):
+        pytest.skip("no CPU kernel matrix multiply in this dtype here")
+    target = make_checkpoint("llama", num_layers=4, seed=4)
+    head = make_eagle_head(tmp_path / "e3", target, "eagle3", seed=3)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(6)]
+    runs = {}
+    for mode in ("one call", "pass by pass"):
+        if mode == "pass by pass":
+            monkeypatch.setattr(EagleProposer, "_embedding", None)
+        llm = eagle_llm(target, head, "eagle3", k=4, dtype=dtype)
+        chains = llm.engine.executor.worker.drafter._embedding is not None
+        assert chains == (mode == "one call")
+        got = []
+        for temperature in (1.0, 0.0):
+            params = [SamplingParams(temperature=temperature, max_tokens=9 + 5 * (i % 3), seed=i,
+                                     ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got.append([o.outputs[0].token_ids for o in outs])
+        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        spec = llm.engine.metrics.spec
+        runs[mode] = (got, spec.proposed, spec.accepted)
+    assert runs["one call"] == runs["pass by pass"]
+    assert runs["one call"][2] > 0
+
+
 class NoDrafts:
     """A policy that never wants drafts."""
 

@@ -1,5 +1,5 @@
 """Decoder layers run as a few CPU kernel calls: a Llama-family target's stack
-(``CpuDecoderPlan``) and an EAGLE-3 head's pass (``Eagle3HeadPlan``).
+(``CpuDecoderPlan``) and an EAGLE-3 head's pass (``Eagle3HeadPlan``), or its whole draft chain.
 
 The module path (every layer's modules, one call each per op) spends more time in Python than
 the kernels take at small batches: a module call, a tensor allocation and a few attribute
@@ -291,3 +291,43 @@ class Eagle3HeadPlan(_FlatLayers):
             *self.step_args(positions, meta).around(cache),
         )  # fmt: skip
         return pre, out
+
+    def chain(
+        self,
+        embed: torch.Tensor,
+        logits: torch.Tensor,
+        state: torch.Tensor,
+        temperature: torch.Tensor,
+        u: torch.Tensor,
+        base: torch.Tensor,
+        tables: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        depths: list[int],
+        keep_q: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft chains past their roots (row r: logits [V] and feature, ``depths[r]`` drafts,
+        the first pass at key index ``base[r]``, block table ``tables[r]``), every row sampled
+        at its temperature alone (0: greedy) with its uniforms ``u[r]``: one kernel call
+        (``csrc/draft_chain.c``; ``lm_head`` must be set). Returns the drafts int64 [A, D]
+        (D the deepest; 0 past a row's own) and, with ``keep_q``, q [A, D, V]."""
+        assert self.lm_head is not None
+        a, vocab = logits.shape
+        assert vocab == self.lm_head.out_features
+        width = max(depths, default=0)
+        tokens = torch.zeros((a, width), dtype=torch.int64)
+        probs = torch.zeros((a, width, vocab), dtype=torch.float32) if keep_q else None
+        depth_t = torch.tensor(depths, dtype=torch.int64)
+        work = logits.contiguous().clone()
+        state, u = state.contiguous(), u.to(torch.float32).contiguous()
+        temperature = temperature.to(torch.float32).contiguous()
+        k_cache, v_cache = cache
+        self.m.eagle3_chain(
+            self.desc.fields.data_ptr(), state.shape[1], a, depth_t.data_ptr(), work.data_ptr(),
+            state.data_ptr(), embed.data_ptr(), self.embed_norm.data_ptr(),
+            self.feature_norm.data_ptr(), self.final_norm.data_ptr(),
+            self.lm_head.panels.data_ptr(), vocab, temperature.data_ptr(), u.data_ptr(),
+            u.stride(0), tokens.data_ptr(), width, _ptr(probs), width * vocab, base.data_ptr(),
+            tables.data_ptr(), tables.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.shape[1], k_cache.shape[3], self.eps, self.scale, self.bf16,
+        )  # fmt: skip
+        return tokens, probs

@@ -46,6 +46,15 @@ class Roots:
         return torch.tensor(padded, dtype=torch.int64).to(self.logits.device)
 
 
+# A drafter's whole chains in one call, where it has one: (the roots, each one's drafts, its
+# temperature [A] (0: greedy), its drafting uniforms [A, W], whether q is kept) -> the drafts
+# [A, D] and q [A, D, V] (or None), as ``_chain`` draws them for rows sampled at a temperature
+# alone
+DraftChain = Callable[
+    [Roots, list[int], torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
 @dataclass
 class CatchUp:
     """A drafter's pass over the tokens it has not seen (positions ``draft_start ..``)."""
@@ -87,8 +96,10 @@ def grow(
     forward: DraftPass,
     block_size: int,
     sampled: bool,
+    chain: DraftChain | None = None,
 ) -> Proposal:
-    """Draft nodes for ``step.sampling`` (requests outside ``roots.index`` get none)."""
+    """Draft nodes for ``step.sampling`` (requests outside ``roots.index`` get none); chains in
+    one call of ``chain`` where the step's sampling allows."""
     device = roots.logits.device
     batch = len(step.sampling)
     if not roots.index:
@@ -98,7 +109,12 @@ def grow(
     assert all(s.topk == topk for s in shapes), "a step drafts one number of children per node"
     parents = None
     if topk == 1:
-        tokens, probs, counts = _chain(step, roots, forward, block_size, [s.depth for s in shapes])
+        depths = [s.depth for s in shapes]
+        whole = None if chain is None else _whole_chain(step, roots, chain, depths)
+        if whole is not None:
+            tokens, probs, counts = whole
+        else:
+            tokens, probs, counts = _chain(step, roots, forward, block_size, depths)
     else:
         g = TreeGrower(step, roots, forward, block_size, topk, sampled and not step.greedy)
         g.run(max(s.depth for s in shapes), [s.depth for s in shapes])
@@ -119,6 +135,26 @@ def grow(
         out.probs = torch.zeros(batch, width, probs.shape[2], device=device)
         out.probs[where] = probs
     return out
+
+
+def _whole_chain(
+    step: DraftRound, roots: Roots, chain: DraftChain, depths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """``_chain``'s result from one call of ``chain``, or None where the step needs more than
+    it does: a grammar, penalties, top-k, top-p or min-p."""
+    if step.grammars is not None or step.penalties is not None:
+        return None
+    params = [step.params[i] for i in roots.index]
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        return None
+    device = roots.logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    u = step.uniforms  # read only at a temperature above 0
+    if not step.greedy:
+        u = u.index_select(0, torch.tensor(roots.index, dtype=torch.int64, device=device))
+    tokens, probs = chain(roots, depths, temperature.to(device), u, not step.greedy)
+    step.note_split("draft", [sum(n > d for n in depths) for d in range(1, max(depths))])
+    return tokens, probs, depths
 
 
 def _chain(

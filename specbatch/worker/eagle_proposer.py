@@ -12,6 +12,8 @@ only the positions the target processed (``num_draft_computed``).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from specbatch.config import EngineConfig
@@ -101,7 +103,8 @@ class EagleProposer(Drafter):
         )
         step.note("catch-up", int(inputs.input_ids.shape[0]))
         sampled = self.config.speculative_config.tree_children == "sampled"
-        return grow(step, roots, self._pass, self.config.block_size, sampled)
+        chain = self._whole_chain if self._embedding is not None else None
+        return grow(step, roots, self._pass, self.config.block_size, sampled, chain)
 
     def _pass(
         self, tokens: torch.Tensor, state: torch.Tensor | None, inputs: ForwardInputs
@@ -110,6 +113,35 @@ class EagleProposer(Drafter):
         return self.head.forward_logits(
             tokens, state, inputs.positions, self.kv_caches[0], inputs.meta
         )
+
+    @cached_property
+    def _embedding(self) -> torch.Tensor | None:
+        """The table the head embeds tokens with, where its CPU plan can draft a whole chain
+        (the plan covers the LM head, the table is whole on this rank); else None."""
+        plan = self.head.cpu_plan
+        if plan is None or plan.lm_head is None:
+            return None
+        table = self.head.embed_tokens or self.head.target.embed
+        if getattr(getattr(table, "tp", None), "size", 1) != 1:
+            return None
+        weight = getattr(table, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype != plan.dtype:
+            return None
+        return weight
+
+    def _whole_chain(
+        self,
+        roots: Roots,
+        depths: list[int],
+        temperature: torch.Tensor,
+        u: torch.Tensor,
+        keep_q: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        plan, table = self.head.cpu_plan, self._embedding
+        assert plan is not None and table is not None and roots.state is not None
+        base = torch.tensor(roots.base, dtype=torch.int64)
+        return plan.chain(table, roots.logits, roots.state, temperature, u, base, roots.tables,
+                          self.kv_caches[0], depths, keep_q)  # fmt: skip
 
     def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
         """Keep the features of the positions the target processed and kept (a prompt chunk's

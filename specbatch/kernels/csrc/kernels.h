@@ -81,4 +81,16 @@ int sb_eagle3_pass(const int64_t* desc, int t, const void* embedded, const void*
                    long bt_stride, const uint64_t* tree, const int64_t* tree_starts, float eps,
                    float scale, int bf16);
 
+/* draft_chain.c: an EAGLE-3 head's draft chains of depths[r] drafts past their roots, a request
+ * a row (temperature-only or greedy sampling; sb_eagle3_pass for each depth below the last):
+ * tokens [a, max depth] (rows ldt apart), q [a, max depth, vocab] into probs unless NULL (rows
+ * ldp apart); logits [a, vocab] the roots' on entry, overwritten */
+int sb_eagle3_chain(const int64_t* desc, int hidden, int a, const int64_t* depths,
+                    float* logits, const void* state, const void* embed, const void* embed_norm,
+                    const void* feature_norm, const void* final_norm, const void* lm_head,
+                    int vocab, const float* temperature, const float* u, long ldu,
+                    int64_t* tokens, long ldt, float* probs, long ldp, const int64_t* base,
+                    const int64_t* block_tables, long bt_stride, void* k_cache, void* v_cache,
+                    int kv_heads_stride, int block_size, float eps, float scale, int bf16);
+
 #endif
