@@ -280,6 +280,18 @@ def test_a_choice_stands_while_what_it_reads_stays_and_no_longer():
     assert seen[-1].nodes == 0
 
 
+def test_the_same_requests_on_a_standing_choice_are_not_priced_again(monkeypatch):
+    """The very same requests, step after step: the standing choice is handed out again without
+    reading the step (once in ``REUSE_STEPS`` it is priced anew)."""
+    ctl = accepting(priced(ladder(4, 1, 4)), 0.7)
+    read = []
+    monkeypatch.setattr(ctl, "_rooms", lambda rs: read.append(1) or {4: len(rs)})
+    one = [make_request("a")]
+    seen = [ctl.draft_shapes(one)[0] for _ in range(PROBE_EVERY - 1)]  # no probe yet
+    assert len(set(seen)) == 1 and seen[0].nodes
+    assert len(read) == math.ceil((PROBE_EVERY - 1) / REUSE_STEPS)
+
+
 def test_a_probe_of_drafts_is_charged_the_drafters_whole_lag():
     """While nobody drafts, the drafter lags; a probe drafts for one step and so catches up on
     all of it then. Where drafts nearly pay, the runner-up is probed when the drafter is level,
