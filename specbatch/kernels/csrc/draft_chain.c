@@ -89,15 +89,16 @@ int sb_eagle3_chain(const int64_t* desc, int hidden, int a, const int64_t* depth
         int m = 0;
         for (int j = 0; j < n; j++) {
             const int r = (int)live[j];
+            const long at = d == 1 ? r : j; /* its row of logits and features: the roots' by row */
             float* q = probs ? probs + r * ldp + (long)(d - 1) * vocab : scratch;
-            const int64_t token = draw(vocab, logits + (long)j * vocab, temperature[r],
+            const int64_t token = draw(vocab, logits + at * vocab, temperature[r],
                                        u + r * ldu + d - 1, q);
             tokens[r * ldt + d - 1] = token;
             if (depths[r] <= d) continue;
             /* drafting deeper: its draft d is read at key index base + d - 1 */
             const int64_t key = base[r] + d - 1;
             memcpy(embedded + m * row, (const char*)embed + token * row, row);
-            memmove(features[d % 2] + m * row, current + j * row, row);
+            memmove(features[d % 2] + m * row, current + at * row, row);
             memcpy(table + m * bt_stride, block_tables + r * bt_stride,
                    (size_t)bt_stride * sizeof(int64_t));
             positions[m] = key;
