@@ -226,10 +226,11 @@ class DraftController:
         self._served = shapes is not None
         if shapes is not None:
             return shapes
+        classes = [sampling_class(r) for r in requests]
         groups: dict[SamplingClass, list[Request]] = defaultdict(list)
-        for r in requests:
-            groups[sampling_class(r)].append(r)
-        self._class_of = {r.request_id: sampling_class(r) for r in requests}
+        for c, r in zip(classes, requests, strict=True):
+            groups[c].append(r)
+        self._class_of = {r.request_id: c for r, c in zip(requests, classes, strict=True)}
         none = {c: DraftShape() for c in groups}
         if self.target.level is None:  # nothing priced yet
             return [DraftShape()] * len(requests)
@@ -259,8 +260,8 @@ class DraftController:
         choice.steps_left -= 1
         plan = choice.plan
         self._idle = 0 if any(s.nodes for s in plan.values()) else self._idle + 1
-        shapes = [plan[sampling_class(r)] for r in requests]
-        self._standing = None if probe else (list(requests), prompt_rows, shapes, choice)
+        shapes = [plan[c] for c in classes]
+        self._standing = (list(requests), prompt_rows, shapes, choice)  # a probe's never stands
         return shapes
 
     def _as_before(self, requests: list[Request], prompt_rows: int) -> list[DraftShape] | None:

@@ -121,7 +121,9 @@ class EagleProposer(Drafter):
         plan = self.head.cpu_plan
         if plan is None or plan.lm_head is None:
             return None
-        table = self.head.embed_tokens or self.head.target.embed
+        table = self.head.embed_tokens
+        if table is None:
+            table = self.head.target.embed
         if getattr(getattr(table, "tp", None), "size", 1) != 1:
             return None
         weight = getattr(table, "weight", None)

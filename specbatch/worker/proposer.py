@@ -50,19 +50,17 @@ class DraftRound:
         self.note("draft", rows)
         return out
 
+    def note(self, kind: str, rows: int) -> None:
+        """A pass (``"catch-up"``: the drafter's first, over what it has not seen, up to the
+        roots' logits; ``"draft"``: a depth) that ended now, over ``rows`` rows."""
+        self.note_split(kind, [rows])
+
     def note_split(self, kind: str, rows: list[int]) -> None:
         """Passes of ``kind`` over ``rows[i]`` rows each, run as one call that ended now: each
         noted with an equal share of its seconds."""
         now = time.perf_counter()
         share = (now - self.mark) / max(len(rows), 1)
         self.passes.extend((kind, n, share) for n in rows)
-        self.mark = now
-
-    def note(self, kind: str, rows: int) -> None:
-        """A pass (``"catch-up"``: the drafter's first, over what it has not seen, up to the
-        roots' logits; ``"draft"``: a depth) that ended now, over ``rows`` rows."""
-        now = time.perf_counter()
-        self.passes.append((kind, rows, now - self.mark))
         self.mark = now
 
     @property
