@@ -17,9 +17,11 @@ import pytest
 from specbatch import SamplingParams
 from specbatch.draft_shape import DraftShape
 from specbatch.engine.async_engine import AsyncLLMEngine
+from specbatch.engine.calibration import batch_sizes, calibrate
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
+from specbatch.scheduler import draft_controller
 from specbatch.scheduler.draft_controller import (
     PROBE_EVERY,
     REUSE_STEPS,
@@ -98,6 +100,18 @@ def test_row_buckets_and_unmeasured_rows():
     assert costs.seconds(6) >= costs.seconds(4)
 
 
+def test_a_first_pass_at_new_rows_costs_no_more_than_more_rows():
+    """A first pass at a new row count may be slow for reasons of its own (a request's first
+    drafting step sets up its drafter); it is priced at most as a larger measured row count."""
+    costs = RowCosts()
+    costs.observe(1, 0.05)  # a first call: left out
+    for _ in range(3):
+        costs.observe(1, 0.001)
+        costs.observe(8, 0.002)
+    costs.observe(4, 0.01)
+    assert costs.seconds(4) == pytest.approx(0.002, rel=1e-6) == costs.seconds(8)
+
+
 def test_row_costs_follow_the_machine_and_keep_their_contrasts():
     costs = RowCosts()
     for _ in range(50):
@@ -155,6 +169,23 @@ def test_drafts_are_priced_as_cut_by_max_tokens():
     assert estimates[2][1] == pytest.approx(estimates[2][0])
     assert estimates[200][1][0] > estimates[200][0][0] + 0.5  # tokens
     assert estimates[200][1][1] > estimates[200][0][1]  # seconds
+
+
+def test_an_acceptance_read_from_few_tests_is_priced_optimistically():
+    """A rate read from 32 tests that came out low is given the benefit of its doubt (one
+    standard error): drafts stay on, and their tests go on; the same rate read from 10,000
+    tests stops them, and so would the 32 tests read at face value."""
+
+    def shape(tests: int, optimism: float) -> DraftShape:
+        ctl = priced(ladder(4, 1, 4), target=lambda r: 0.002 + 0.0005 * r)
+        ctl.tested[GREEDY_CLASS] = [0.35 * tests, tests]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(draft_controller, "OPTIMISM", optimism)
+            return ctl.draft_shapes([make_request("a")])[0]
+
+    assert shape(32, draft_controller.OPTIMISM).nodes
+    assert not shape(10_000, draft_controller.OPTIMISM).nodes
+    assert not shape(32, 0.0).nodes
 
 
 def test_a_trees_measured_yield_replaces_its_bound():
@@ -302,7 +333,7 @@ def test_a_probe_of_drafts_is_charged_the_drafters_whole_lag():
 
     probes = {}
     for lag in (0, 100):
-        ctl = priced(ladder(4, 1, 4), target=target)
+        ctl = accepting(priced(ladder(4, 1, 4), target=target), 0.6)
         reqs = []
         for i in range(8):
             req = Request(str(i), list(range(1, 201)), GREEDY, max_model_len=512)
@@ -345,6 +376,31 @@ def test_no_drafts_before_anything_was_measured():
 
 
 # ---- inside a scheduler, against a simulated worker ---------------------------------------------
+def simulate(
+    plan: SchedulerOutput, rng: random.Random, alpha: float, target, drafter
+) -> StepResult:
+    """A step of a simulated worker: each draft accepted with probability ``alpha``, each pass
+    costing what ``target`` and ``drafter`` say for its rows."""
+    result = StepResult()
+    rows = 0
+    for sr in plan.requests:
+        rows += len(sr.target_token_ids) + sr.num_draft
+        if sr.sample:
+            a = 0
+            while a < sr.shape.depth and rng.random() < alpha:
+                a += 1
+            base = sr.target_start + len(sr.target_token_ids)
+            result.results[sr.request_id] = RequestStepResult(
+                [100 + base + i for i in range(a + 1)], a, sr.num_draft
+            )
+    depth = max((sr.shape.depth for sr in plan.requests), default=0)
+    beams = [sum(sr.shape.topk for sr in plan.requests if sr.shape.depth > d)
+             for d in range(1, depth)]  # fmt: skip
+    result.passes = [("target", rows, target(rows))]
+    result.passes += [("draft", b, drafter(b)) for b in beams]
+    return result
+
+
 def run(alpha: float, target, drafter, *, num_requests: int = 16, num_blocks: int = 1000,
         max_tokens: int = 60, shapes=None) -> list[list[DraftShape]]:  # fmt: skip
     """A closed loop of ``num_requests`` requests: each draft accepted with probability
@@ -363,23 +419,7 @@ def run(alpha: float, target, drafter, *, num_requests: int = 16, num_blocks: in
     history = []
     while sched.has_unfinished():
         plan: SchedulerOutput = sched.schedule()
-        result = StepResult()
-        rows = 0
-        for sr in plan.requests:
-            rows += len(sr.target_token_ids) + sr.num_draft
-            if sr.sample:
-                a = 0
-                while a < sr.shape.depth and rng.random() < alpha:
-                    a += 1
-                base = sr.target_start + len(sr.target_token_ids)
-                result.results[sr.request_id] = RequestStepResult(
-                    [100 + base + i for i in range(a + 1)], a, sr.num_draft
-                )
-        depth = max((sr.shape.depth for sr in plan.requests), default=0)
-        beams = [sum(sr.shape.topk for sr in plan.requests if sr.shape.depth > d)
-                 for d in range(1, depth)]  # fmt: skip
-        result.passes = [("target", rows, target(rows))]
-        result.passes += [("draft", b, drafter(b)) for b in beams]
+        result = simulate(plan, rng, alpha, target, drafter)
         sched.update(plan, result)
         ctl.observe(plan, result, sum(p[2] for p in result.passes) + 0.0002)
         if all(len(sr.target_token_ids) == 1 for sr in plan.requests):
@@ -402,6 +442,43 @@ def test_learns_not_to_draft_when_rows_cost_and_drafts_fail():
     late = history[10:]
     drafting = [step for step in late if any(s.nodes for s in step)]
     assert late and len(drafting) <= 0.1 * len(late)  # the probes only
+
+
+def test_start_up_timing_keeps_a_fresh_engine_from_drafting_where_drafts_lose():
+    """Calibrated on a simulated worker whose rows cost arithmetic, a fresh controller drafts
+    for one request and not for 64 at once (untimed, its drafter's passes would be priced at
+    nothing); it learns no acceptance from the throwaway requests, and the KV pool is whole."""
+
+    def target(rows: int) -> float:
+        return 0.001 + 0.0001 * rows
+
+    def drafter(rows: int) -> float:
+        return 0.0002 + 0.00005 * rows
+
+    rng = random.Random(0)
+    kv = KVCacheManager(4096, 4)
+    ctl = DraftController(ladder(4, 1, 4))
+    ctl.target.observe(1, 1.0)  # a first call: left out
+    ctl.target.observe(64, target(64))  # the target alone timed: drafts look free
+    assert ctl.draft_shapes([make_request(str(i)) for i in range(64)])[0].nodes
+    ctl = DraftController(ladder(4, 1, 4))
+    forgotten = []
+
+    def execute(plan: SchedulerOutput) -> StepResult:
+        forgotten.extend(plan.finished_request_ids)
+        return simulate(plan, rng, 0.3, target, drafter)
+
+    def new_scheduler(policy) -> Scheduler:
+        limits = SchedulerLimits(256, 4096, 256)
+        return Scheduler(limits, kv, StopChecker(None), policy, speculative=True)
+
+    calibrate(ctl, new_scheduler, execute, vocab_size=100, max_model_len=256, max_num_seqs=256)
+    assert not ctl.tested and not ctl.by_depth
+    assert kv.num_free_blocks == kv.num_blocks
+    assert len(set(forgotten)) == 2 + sum(batch_sizes(256))  # the workers forget every one
+    accepting(ctl, 0.7)
+    assert ctl.draft_shapes([make_request("one")])[0].nodes
+    assert not any(s.nodes for s in ctl.draft_shapes([make_request(str(i)) for i in range(64)]))
 
 
 def test_drafts_within_the_free_blocks_without_preempting():
@@ -429,10 +506,26 @@ def test_engine_args_accept_auto(pair):  # noqa: F811
     assert out[0].metrics.draft_lengths  # the per-request metrics: drafts of each round
     assert policy.target.level is not None and math.isfinite(policy.target.level)
     m = llm.engine.metrics
+    assert m.summary()["generated_tokens"] == 20  # the start-up timing's requests not counted
     assert page["specbatch:spec_decode_drafting_share"] == m.drafting_steps / m.decoding_steps
     fixed = engine(pair, 2)
     page = parse_metrics(ServerMetrics(AsyncLLMEngine(fixed.engine), "m").render())
     assert "specbatch:spec_decode_draft_length_count" not in page
+
+
+def test_the_start_up_timing_leaves_nothing_behind(pair):  # noqa: F811
+    """The engine times auto's passes on throwaway requests before the first one arrives; then
+    no request, KV block, cached block, worker state, acceptance or metric remains of them."""
+    llm = engine(pair, "auto", max_draft_length=3, enable_prefix_caching=True)
+    eng = llm.engine
+    policy = eng.scheduler.policy
+    for curve in (policy.target, policy.catch_up, policy.depth, policy.rest_plain):
+        assert curve.level is not None
+    assert len(policy.target.offsets) >= len(batch_sizes(256))
+    assert not policy.tested and not policy.by_depth
+    assert eng.num_free_kv_blocks == eng.num_kv_blocks and eng.kv_cache.num_cached_blocks == 0
+    assert not eng.executor.worker._states and not eng.scheduler.requests
+    assert eng.metrics.summary()["steps"] == 0
 
 
 def test_bench_has_an_auto_row(make_checkpoint, tmp_path):

@@ -319,6 +319,14 @@ class DraftsWhenFew:
         pass
 
 
+class NoDrafts(DraftsWhenFew):
+    """A policy that never wants drafts."""
+
+    def draft_shapes(self, requests, prompt_rows=0):
+        self.calls += 1
+        return [DraftShape()] * len(requests)
+
+
 def step(sched: Scheduler, rng: random.Random) -> SchedulerOutput:
     plan = sched.schedule()
     sched.update(plan, simulate(plan, rng))
@@ -354,6 +362,21 @@ def test_a_drafter_wanted_for_nothing_sleeps_and_wakes_when_the_batch_halves():
     assert not by_id["new"].drafter_off and by_id["new"].num_draft == 2
     assert all(by_id[f"r{i}"].drafter_off and not by_id[f"r{i}"].num_draft for i in range(4, 8))
     assert policy.calls == SLEEP_AFTER + 1  # asked about "new" alone
+    run_to_completion(sched, kv, rng)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_drafter_with_one_request_running_stays_awake():
+    """Asleep with one request it would wake only once none runs: wanted for nothing while one
+    runs, it stays awake, and the policy is asked every step."""
+    rng = random.Random(0)
+    sched, kv = make_scheduler(num_blocks=512, block_size=4, max_seqs=16, max_len=512, k=2)
+    policy = sched.policy = NoDrafts()
+    sched.add_request(request("one", prompt_len=3, max_tokens=300, max_len=512))
+    for _ in range(2 * SLEEP_AFTER):
+        step(sched, rng)
+    assert not sched.lag.asleep and not sched.running[0].drafter_off
+    assert policy.calls == 2 * SLEEP_AFTER - 1  # every decoding step
     run_to_completion(sched, kv, rng)
     assert kv.num_free_blocks == kv.num_blocks
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from specbatch.config import EngineArgs, EngineConfig
 from specbatch.drafters import DRAFTERS
+from specbatch.engine.calibration import calibrate
 from specbatch.engine.metrics import EngineMetrics
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.grammar.compiler import GrammarCompilerPool
@@ -96,19 +97,10 @@ class LLMEngine:
         if spec.auto:
             largest = spec.shape
             policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
-        self.scheduler = Scheduler(
-            SchedulerLimits(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-            ),
-            self.kv_cache,
-            self.stop_checker,
-            policy=policy,
-            speculative=spec.speculative,
-            draft_input=kind.draft_input if kind is not None else "none",
-            batch_invariant=config.batch_invariant,
-        )
+        self._draft_input = kind.draft_input if kind is not None else "none"
+        if isinstance(policy, DraftController):
+            self._calibrate(policy)
+        self.scheduler = self._new_scheduler(policy, self.stop_checker)
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self._seeds = itertools.count(1)
@@ -122,6 +114,38 @@ class LLMEngine:
         # collection would walk it all again and again, so later collections leave it out
         gc.collect()
         gc.freeze()
+
+    def _new_scheduler(self, policy: SpeculationPolicy, stop_checker: StopChecker) -> Scheduler:
+        config = self.config
+        return Scheduler(
+            SchedulerLimits(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+            ),
+            self.kv_cache,
+            stop_checker,
+            policy=policy,
+            speculative=config.speculative_config.speculative,
+            draft_input=self._draft_input,
+            batch_invariant=config.batch_invariant,
+        )
+
+    def _calibrate(self, controller: DraftController) -> None:
+        """Time the passes ``auto`` prices before any request arrives (calibration.py)."""
+        try:
+            calibrate(
+                controller,
+                lambda policy: self._new_scheduler(policy, StopChecker(self.tokenizer)),
+                self.executor.execute,
+                self.config.target.vocab_size,
+                self.config.max_model_len,
+                self.config.max_num_seqs,
+            )
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache.reset_prefix_cache()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

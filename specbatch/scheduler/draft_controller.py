@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
-from specbatch.scheduler.draft_yield import chain_tokens, lean, tree_bound
+from specbatch.scheduler.draft_yield import PRIOR_WEIGHT, chain_tokens, lean, tree_bound
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.row_costs import RowCosts
 
@@ -55,6 +55,7 @@ MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
 STANDING_TIMING = 4  # steps of the same requests on a standing choice: one in this many is timed
 ALPHA_SLACK = 0.03  # the acceptance a choice stands through
+OPTIMISM = 1.0  # standard errors added to an acceptance rate before it is priced
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
@@ -170,13 +171,18 @@ class DraftController:
         return lean(acc, tested, overall)
 
     def depth_rates(self, cls: SamplingClass) -> Rates:
-        """The class's acceptance at each depth, leaning on its rate."""
+        """The class's acceptance at each depth, leaning on its rate, plus ``OPTIMISM``
+        standard errors of a rate read from as many tests as the class has had: a rate read
+        from a few tests may be low by chance, and drafts priced on it would stop, and with
+        them the tests that would show it."""
         rate = self.class_rate(cls)
         counts = self.by_depth.get(cls, [])
-        return tuple(
-            min(1.0, lean(*(counts[d] if d < len(counts) else (0.0, 0.0)), rate))
-            for d in range(max(self.shape.depth, 1))
-        )
+        known = self.tested.get(cls, (0.0, 0.0))[1] + PRIOR_WEIGHT
+        rates = []
+        for d in range(max(self.shape.depth, 1)):
+            a = lean(*(counts[d] if d < len(counts) else (0.0, 0.0)), rate)
+            rates.append(min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / known)))
+        return tuple(rates)
 
     def tokens(self, cls: SamplingClass, rates: Rates, shape: DraftShape) -> float:
         """Expected tokens a round for one request of ``cls`` accepting at ``rates``."""
@@ -419,6 +425,11 @@ class DraftController:
             self._untimed = (self._untimed + 1) % STANDING_TIMING
             if self._untimed:
                 return
+        self.time_step(result, seconds, drafted > 0)
+
+    def time_step(self, result: StepResult, seconds: float, drafted: bool) -> None:
+        """Price the passes a step ran and the rest of its ``seconds``; ``drafted``: whether
+        any request of it drafted."""
         passes = 0.0
         target_rows = 0
         for model, rows, secs in result.passes:

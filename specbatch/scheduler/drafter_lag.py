@@ -15,7 +15,8 @@ request, and every request admitted while it sleeps, is ``drafter_off`` (it draf
 the rest of its run, and its drafter keeps nothing of it), so the policy is no longer asked and
 the step is plain decoding. It wakes once the running requests are half as many as when it fell
 asleep, or after ``WAKE_AFTER`` steps: requests admitted from then on have a drafter again and
-the policy decides for them afresh.
+the policy decides for them afresh. With one request running it stays awake (it would wake
+only once none runs, and pricing one request's step costs little).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class DrafterLag:
         if drafts:
             self.drafting_batch = asked
         self.quiet = 0 if drafts else self.quiet + 1
-        if self.quiet < SLEEP_AFTER or self.draft_input == "none":
+        if self.quiet < SLEEP_AFTER or self.draft_input == "none" or len(running) < 2:
             return
         self.asleep_with, self.slept, self.quiet = len(running), 0, 0
         for req in running:

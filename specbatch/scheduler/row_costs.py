@@ -10,11 +10,12 @@ its interruptions; offsets move ten times slower than the level, so a drift move
 A curve's first pass is not taken (it pays what a first call pays: buffers allocated, code
 paths warmed). A bucket's offset is the least of its first few passes (any one of them may
 have been interrupted), the first capped at what its rows would cost in proportion to the
-nearest smaller bucket's. Between measured buckets a pass is priced
-on the line joining them (in log rows and log seconds); below them in proportion to the rows;
-beyond them on the slope of the last two (between flat and proportional; flat with one, a
-guess the next such pass corrects); and never below what fewer rows cost: rows added inside a
-bucket cost their share of the slope, so a plan does not gain rows free by staying inside one.
+nearest smaller bucket's, and at the nearest larger bucket's. Between measured buckets a pass
+is priced on the line joining them (in log rows and log seconds); below them in proportion to
+the rows; beyond them on the slope of the last two (between flat and proportional; flat with
+one, a guess the next such pass corrects); and never below what fewer rows cost: rows added
+inside a bucket cost their share of the slope, so a plan does not gain rows free by staying
+inside one.
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ class RowCosts:
         self.offsets[b] += CONTRAST * (FAST if surprise < 0 else SLOW) * surprise
 
     def _cap(self, b: int) -> float:
-        """The most bucket ``b``'s offset may be: in proportion to a smaller bucket's rows."""
+        """The most a new bucket ``b``'s offset may be: in proportion to a smaller bucket's
+        rows, and no more than a larger bucket's."""
         i = bisect.bisect_left(self._sorted, b)
-        if i == 0:
-            return math.inf
-        lo = self._sorted[i - 1]
-        return self.offsets[lo] + (b - lo) / 4 * math.log(2)
+        cap = math.inf
+        if i > 0:
+            lo = self._sorted[i - 1]
+            cap = self.offsets[lo] + (b - lo) / 4 * math.log(2)
+        if i + 1 < len(self._sorted):  # ``b`` itself is at ``i``
+            cap = min(cap, self.offsets[self._sorted[i + 1]])
+        return cap
 
     def seconds(self, rows: int) -> float | None:
         """A pass over ``rows`` rows now; None before any pass was measured."""
