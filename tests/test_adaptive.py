@@ -172,9 +172,9 @@ def test_drafts_are_priced_as_cut_by_max_tokens():
 
 
 def test_an_acceptance_read_from_few_tests_is_priced_optimistically():
-    """A rate read from 32 tests that came out low is given the benefit of its doubt (one
-    standard error): drafts stay on, and their tests go on; the same rate read from 10,000
-    tests stops them, and so would the 32 tests read at face value."""
+    """A rate read from 32 tests that came out low is given the benefit of its doubt
+    (``OPTIMISM`` standard errors): drafts stay on, and their tests go on; the same rate read
+    from 10,000 tests stops them, and so would the 32 tests read at face value."""
 
     def shape(tests: int, optimism: float) -> DraftShape:
         ctl = priced(ladder(4, 1, 4), target=lambda r: 0.002 + 0.0005 * r)
@@ -240,7 +240,7 @@ def test_drafts_that_pay_only_beside_prompts_are_not_made():
         return 0.0002 * min(rows, 64) + 0.000001 * max(0, rows - 64)
 
     reqs = [make_request(str(i)) for i in range(32)]
-    ctl = priced(ladder(4, 1, 4), target=steep_then_flat)
+    ctl = accepting(priced(ladder(4, 1, 4), target=steep_then_flat), 0.6)
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=0))
     assert all(s.nodes == 0 for s in ctl.draft_shapes(reqs, prompt_rows=2000))
 

@@ -55,7 +55,7 @@ MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
 STANDING_TIMING = 4  # steps of the same requests on a standing choice: one in this many is timed
 ALPHA_SLACK = 0.03  # the acceptance a choice stands through
-OPTIMISM = 1.0  # standard errors added to an acceptance rate before it is priced
+OPTIMISM = 2.0  # standard errors added to an acceptance rate before it is priced
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
