@@ -17,7 +17,7 @@ import pytest
 from specbatch import SamplingParams
 from specbatch.draft_shape import DraftShape
 from specbatch.engine.async_engine import AsyncLLMEngine
-from specbatch.engine.calibration import batch_sizes, calibrate
+from specbatch.engine.calibration import MAX_STEPS, batch_sizes, calibrate
 from specbatch.engine.prometheus import ServerMetrics, parse_metrics
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
@@ -479,6 +479,29 @@ def test_start_up_timing_keeps_a_fresh_engine_from_drafting_where_drafts_lose():
     accepting(ctl, 0.7)
     assert ctl.draft_shapes([make_request("one")])[0].nodes
     assert not any(s.nodes for s in ctl.draft_shapes([make_request(str(i)) for i in range(64)]))
+
+
+def test_start_up_timing_ends_where_nothing_is_drafted():
+    """A drafter that finds nothing to draft (an n-gram lookup in random tokens) does not keep
+    the start-up timing running until its requests reach max_model_len."""
+    rng = random.Random(0)
+    kv = KVCacheManager(4096, 4)
+    steps = []
+
+    def execute(plan: SchedulerOutput) -> StepResult:
+        steps.append(plan)
+        result = simulate(plan, rng, 0.0, memory_bound, cheap_drafter)
+        for r in result.results.values():
+            r.num_proposed = r.num_accepted = 0
+        return result
+
+    def new_scheduler(policy) -> Scheduler:
+        return Scheduler(SchedulerLimits(64, 4096, 4096), kv, StopChecker(None), policy, True)
+
+    ctl = DraftController(ladder(4, 1, 4))
+    calibrate(ctl, new_scheduler, execute, vocab_size=100, max_model_len=4096, max_num_seqs=64)
+    assert len(steps) <= (2 + len(batch_sizes(64))) * MAX_STEPS + 1
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def test_drafts_within_the_free_blocks_without_preempting():

@@ -6,8 +6,8 @@ meets, however large; priced as dear as the target, the drafter is never tried. 
 first runs a few steps of throwaway requests (random tokens, EOS ignored) at a few batch
 sizes up to ``max_num_seqs`` (or 64), on its own scheduler, drafting the deepest shape in
 every other step, and hands the controller what those steps' passes took (never what the
-drafts accepted: random prompts say nothing of real ones). Then every throwaway request is finished,
-the workers forget them, and the prefix cache is emptied: the KV pool is whole again.
+drafts accepted: random prompts say nothing of real ones). Then every throwaway request is
+finished, the workers forget them, and the prefix cache is emptied: the KV pool is whole again.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from specbatch.scheduler.speculation import SpeculationPolicy
 BATCH_SIZES = (1, 4, 16, 64)
 PROMPT_TOKENS = 8
 STEPS_EACH = 3  # steps with drafts, and steps without, timed at each batch size
+MAX_STEPS = 4 * STEPS_EACH  # at a batch size, however few drafts were made (n-gram lookups)
 SEED = 0
 
 
@@ -72,7 +73,8 @@ def calibrate(
     """Time the engine's passes for ``controller`` (see the module's docstring): first the
     smallest batch untimed, greedy and sampled (the first calls of a code path pay what first
     calls pay), then, sampled at temperature 1, every batch size of ``batch_sizes`` until
-    ``STEPS_EACH`` steps with drafts and as many without have sampled. ``new_scheduler``: a
+    ``STEPS_EACH`` steps with drafts and as many without have sampled (or ``MAX_STEPS`` steps
+    ran: an n-gram lookup may find nothing to draft). ``new_scheduler``: a
     scheduler on the engine's KV cache with the given policy (and a stop checker of its own);
     ``execute``: the engine's executor."""
     policy = _Alternating(controller)
@@ -93,7 +95,9 @@ def calibrate(
                 prompt = [rng.randrange(1, vocab_size) for _ in range(prompt_len)]
                 scheduler.add_request(Request(rid, prompt, params, max_model_len, seed=SEED + j))
             ids += batch_ids
-            while scheduler.has_unfinished() and min(policy.sampled) < STEPS_EACH:
+            for _ in range(MAX_STEPS):
+                if not scheduler.has_unfinished() or min(policy.sampled) >= STEPS_EACH:
+                    break
                 start = time.perf_counter()
                 plan = scheduler.schedule()
                 if plan.is_empty:  # nothing fits: what was timed so far stands
