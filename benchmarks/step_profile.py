@@ -1,11 +1,13 @@
-"""Where a decoding step's time goes: matrix multiplies, attention, the other layer ops,
+"""Where a decoding step's time goes: the target's decoder stack and the draft head (each a
+few kernel calls on the flat forward), the multiplies, attention and layer ops outside them,
 sampling and rejection, building the step's inputs, scheduling, and the engine's own work.
 
 For each batch size and draft length, B requests of the built-in pair or of --model
 (64-token prompts from the held-out stdlib files, greedy) are brought to steady decoding, then
 ``--steps`` steps are timed with light wrappers around the engine's functions (about a
 microsecond a call): "worker" is the worker's own Python between them, "inputs" building the
-forward's inputs. The multiplies are also split by weight shape (the LM head on its own), each
+forward's inputs. The multiplies outside the flat forward's kernel calls (the target's LM
+head; every multiply where the module path runs) are also split by weight shape, each
 shape's rate set beside the best rate (torch's F.linear, oneDNN's or the kernel's, on a weight
 per layer) measured in the same run at its shape, rows and dtype. "bound": the step's
 multiplies at those best rates, as a share of the step; "multiplies at best rate": the same
@@ -35,19 +37,18 @@ from benchmarks.common import RESULTS_DIR, format_table, machine_info, set_threa
 from benchmarks.linear_rates import best_rates, model_shapes
 
 PHASES = (
-    "matmul", "attention", "layer ops", "sampling", "inputs", "worker", "scheduling", "engine"
+    "decoder stack", "draft head", "matmul", "attention", "layer ops", "sampling", "inputs",
+    "worker", "scheduling", "engine",
 )  # fmt: skip
 LAYER_OPS = ("rms_norm", "head_rms_norm_", "rope_", "silu_and_mul")
 
 
 def linear_shape(args: tuple) -> tuple[int, int, int]:
-    """(out features, in features, rows) of a call of F.linear, CpuKernels.linear or
-    _FlatLayers.linear, from its positional arguments."""
+    """(out features, in features, rows) of a call of F.linear or CpuKernels.linear, from its
+    positional arguments."""
     if isinstance(args[0], torch.Tensor):  # F.linear(x, weight)
         x, w = args[0], args[1]
         return w.shape[0], w.shape[1], x.numel() // x.shape[-1]
-    if isinstance(args[1], int):  # _FlatLayers.linear(self, rows, lin, x, y)
-        return args[2].n, args[2].k, args[1]
     x, w = args[1], args[2]  # CpuKernels.linear(self, x, packed)
     return w.out_features, w.in_features, x.numel() // x.shape[-1]
 
@@ -96,7 +97,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
     from specbatch.engine.llm_engine import LLMEngine
     from specbatch.kernels import cpu
-    from specbatch.model.cpu_forward import _FlatLayers
+    from specbatch.model.cpu_forward import CpuDecoderPlan, Eagle3HeadPlan
     from specbatch.model.layers import attention, cpu_attention
     from specbatch.model.llama import LlamaForCausalLM
     from specbatch.scheduler.scheduler import Scheduler
@@ -120,10 +121,11 @@ def instrumented(clock: Clock) -> Iterator[None]:
         (cpu.CpuKernels, "linear", "matmul"),
         *((cpu.CpuKernels, op, "layer ops") for op in LAYER_OPS),
         (cpu.CpuKernels, "write_kv", "attention"),
-        (_FlatLayers, "linear", "matmul"),  # the flat forward's calls (model/cpu_forward.py)
-        (_FlatLayers, "attention", "attention"),  # with q/k rotation and the K/V write
-        (_FlatLayers, "norm", "layer ops"),
-        (_FlatLayers, "mlp", "layer ops"),
+        # the flat forward (model/cpu_forward.py): a layer's multiplies, attention and norms
+        # in one kernel call, a head's pass or whole chain (its LM head included) in one more
+        (CpuDecoderPlan, "forward", "decoder stack"),
+        (Eagle3HeadPlan, "forward", "draft head"),
+        (Eagle3HeadPlan, "chain", "draft head"),
         (F, "linear", "matmul"),
         (cpu_attention.CpuAttentionBackend, "forward", "attention"),
         (attention.TorchAttentionBackend, "forward", "attention"),
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{c['step_ms']:.2f}",
                 *(f"{ph[p]:.2f} ({ph[p] / c['step_ms']:.0%})" for p in PHASES),
                 f"{c['matmul_bound_ms'] / c['step_ms']:.0%}",
-                f"{c['matmul_bound_ms'] / ph['matmul']:.0%}",
+                f"{c['matmul_bound_ms'] / ph['matmul']:.0%}" if ph["matmul"] else "-",
             ]
         )
     print()
