@@ -324,13 +324,15 @@ def test_auto_with_the_trained_head_equals_transformers(trained) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_whole_chain_in_one_call_drafts_what_pass_by_pass_does(
+def test_the_whole_round_in_one_call_drafts_what_pass_by_pass_does(
     make_checkpoint, tmp_path, monkeypatch, dtype
 ) -> None:
-    """The EAGLE-3 head's chains drafted in one kernel call (csrc/draft_chain.c) and pass by
-    pass in Python: on a batch sampled at temperature 1 and greedily, with chains cut short by
-    max_tokens beside full ones, the same outputs and the same drafts accepted (a draft whose
-    K/V went astray, or whose q differed, would change what is accepted)."""
+    """The EAGLE-3 head's drafting call three ways: the catch-up pass, the roots and the chains
+    in one kernel call (csrc/draft_round.c); the chains alone in one (csrc/draft_chain.c); and
+    pass by pass in Python. On batches sampled at temperature 1, greedily, and both mixed, with
+    chains cut short by max_tokens beside full ones (so that some requests draft while others
+    do not), the same outputs and the same drafts accepted (a draft whose K/V went astray, or
+    whose q differed, would change what is accepted)."""
     from specbatch.kernels.cpu import cpu_kernels
     from specbatch.worker.eagle_proposer import EagleProposer
 
@@ -340,23 +342,33 @@ def test_the_whole_chain_in_one_call_drafts_what_pass_by_pass_does(
     target = make_checkpoint("llama", num_layers=4, seed=4)
     head = make_eagle_head(tmp_path / "e3", target, "eagle3", seed=3)
     prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(6)]
+    whole_round, rounds = EagleProposer._round, []
+
+    def counted(self, *args):
+        rounds.append(1)
+        return whole_round(self, *args)
+
+    monkeypatch.setattr(EagleProposer, "_round", counted)
     runs = {}
-    for mode in ("one call", "pass by pass"):
+    for mode in ("one call", "chains in one call", "pass by pass"):
+        if mode == "chains in one call":
+            monkeypatch.setattr(EagleProposer, "_whole_round", lambda self, step, active: False)
         if mode == "pass by pass":
             monkeypatch.setattr(EagleProposer, "_embedding", None)
+        rounds.clear()
         llm = eagle_llm(target, head, "eagle3", k=4, dtype=dtype)
-        chains = llm.engine.executor.worker.drafter._embedding is not None
-        assert chains == (mode == "one call")
         got = []
-        for temperature in (1.0, 0.0):
-            params = [SamplingParams(temperature=temperature, max_tokens=9 + 5 * (i % 3), seed=i,
-                                     ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+        for temperatures in ([1.0], [0.0], [0.0, 1.0]):
+            params = [SamplingParams(temperature=temperatures[i % len(temperatures)],
+                                     max_tokens=9 + 5 * (i % 3), seed=i, ignore_eos=True)
+                      for i in range(len(prompts))]  # fmt: skip
             outs = llm.generate(prompts, params, use_tqdm=False)
             got.append([o.outputs[0].token_ids for o in outs])
         assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        assert bool(rounds) == (mode == "one call")
         spec = llm.engine.metrics.spec
         runs[mode] = (got, spec.proposed, spec.accepted)
-    assert runs["one call"] == runs["pass by pass"]
+    assert runs["one call"] == runs["chains in one call"] == runs["pass by pass"]
     assert runs["one call"][2] > 0
 
 

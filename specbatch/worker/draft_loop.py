@@ -41,9 +41,14 @@ class Roots:
     @cached_property
     def tables(self) -> torch.Tensor:
         """int64 [A, W]: the block tables, padded to one width."""
-        w = max(map(len, self.blocks), default=1) or 1
-        padded = [t + [0] * (w - len(t)) for t in self.blocks]
-        return torch.tensor(padded, dtype=torch.int64).to(self.logits.device)
+        return padded_tables(self.blocks, self.logits.device)
+
+
+def padded_tables(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
+    """int64 [A, W]: block tables padded with 0 to the longest one's width."""
+    w = max(map(len, blocks), default=1) or 1
+    padded = [t + [0] * (w - len(t)) for t in blocks]
+    return torch.tensor(padded, dtype=torch.int64).to(device)
 
 
 # A drafter's whole chains in one call, where it has one: (the roots, each one's drafts, its
@@ -101,7 +106,6 @@ def grow(
     """Draft nodes for ``step.sampling`` (requests outside ``roots.index`` get none); chains in
     one call of ``chain`` where the step's sampling allows."""
     device = roots.logits.device
-    batch = len(step.sampling)
     if not roots.index:
         return step.empty_proposal(device)
     shapes = [step.shapes[i] for i in roots.index]
@@ -121,12 +125,29 @@ def grow(
         nodes = torch.tensor([s.nodes for s in shapes], dtype=torch.int64, device=device)
         tokens, parents, count_t, probs = g.select(nodes)
         counts = count_t.tolist()
+    return placed(step, roots.index, tokens, list(counts), probs, parents)
+
+
+def placed(
+    step: DraftRound,
+    index: list[int],
+    tokens: torch.Tensor,
+    counts: list[int],
+    probs: torch.Tensor | None,
+    parents: torch.Tensor | None = None,
+) -> Proposal:
+    """The proposal for ``step.sampling`` whose requests ``index`` drafted ``tokens`` (their
+    rows, in that order), the others nothing."""
+    batch = len(step.sampling)
+    if index == list(range(batch)):  # every request drafts: the rows are in place
+        return Proposal(tokens, counts, probs, parents)
+    device = tokens.device
     width = tokens.shape[1]
     out = Proposal.empty(batch, device, width)
-    where = torch.tensor(roots.index, dtype=torch.int64, device=device)
+    where = torch.tensor(index, dtype=torch.int64, device=device)
     out.tokens[where] = tokens
     out.counts = [0] * batch
-    for i, n in zip(roots.index, counts, strict=True):
+    for i, n in zip(index, counts, strict=True):
         out.counts[i] = n
     if parents is not None:
         out.parents = torch.zeros(batch, width, dtype=torch.int64, device=device)
@@ -137,22 +158,34 @@ def grow(
     return out
 
 
+def chain_in_one_call(step: DraftRound, index: list[int]) -> bool:
+    """Whether the chains of the requests ``index`` can be drawn in one call of a drafter's
+    chain: no grammar, penalty, top-k, top-p or min-p, each chain at its temperature alone."""
+    if step.grammars is not None or step.penalties is not None:
+        return False
+    params = [step.params[i] for i in index]
+    return not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+
+
+def chain_uniforms(step: DraftRound, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The temperatures [A] (float32) and drafting uniforms [A, W] of the requests ``index``
+    (the uniforms are read only at a temperature above 0)."""
+    temperature = torch.tensor([step.params[i].temperature for i in index], dtype=torch.float32)
+    u = step.uniforms
+    if not step.greedy and index != list(range(u.shape[0])):
+        u = u.index_select(0, torch.tensor(index, dtype=torch.int64, device=u.device))
+    return temperature.to(u.device), u
+
+
 def _whole_chain(
     step: DraftRound, roots: Roots, chain: DraftChain, depths: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
     """``_chain``'s result from one call of ``chain``, or None where the step needs more than
-    it does: a grammar, penalties, top-k, top-p or min-p."""
-    if step.grammars is not None or step.penalties is not None:
+    it does (``chain_in_one_call``)."""
+    if not chain_in_one_call(step, roots.index):
         return None
-    params = [step.params[i] for i in roots.index]
-    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        return None
-    device = roots.logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    u = step.uniforms  # read only at a temperature above 0
-    if not step.greedy:
-        u = u.index_select(0, torch.tensor(roots.index, dtype=torch.int64, device=device))
-    tokens, probs = chain(roots, depths, temperature.to(device), u, not step.greedy)
+    temperature, u = chain_uniforms(step, roots.index)
+    tokens, probs = chain(roots, depths, temperature, u, not step.greedy)
     step.note_split("draft", [sum(n > d for n in depths) for d in range(1, max(depths))])
     return tokens, probs, depths
 

@@ -12,6 +12,7 @@ only the positions the target processed (``num_draft_computed``).
 
 from __future__ import annotations
 
+import time
 from functools import cached_property
 
 import torch
@@ -22,7 +23,17 @@ from specbatch.model.eagle import TargetParts, load_eagle_head
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import ScheduledRequest
-from specbatch.worker.draft_loop import Roots, catch_up, drafting, grow
+from specbatch.worker.draft_loop import (
+    CatchUp,
+    Roots,
+    catch_up,
+    chain_in_one_call,
+    chain_uniforms,
+    drafting,
+    grow,
+    padded_tables,
+    placed,
+)
 from specbatch.worker.model_runner import ForwardInputs, ModelRunner, move_slots
 from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
@@ -84,11 +95,14 @@ class EagleProposer(Drafter):
         if catch is None:
             return step.empty_proposal(self.device)
         inputs = catch.inputs
-        features = self.head.from_target(torch.cat([self._features(r) for r in catch.requests]))
+        target_features = torch.cat([self._features(r) for r in catch.requests])
+        active = drafting(step)
+        if self._whole_round(step, active):
+            return self._round(step, catch, target_features, active)
+        features = self.head.from_target(target_features)
         feature, hidden = self.head(
             inputs.input_ids, features, inputs.positions, self.kv_caches[0], inputs.meta
         )
-        active = drafting(step)
         if not active:
             step.note("catch-up", int(inputs.input_ids.shape[0]))
             return step.empty_proposal(self.device)
@@ -105,6 +119,37 @@ class EagleProposer(Drafter):
         sampled = self.config.speculative_config.tree_children == "sampled"
         chain = self._whole_chain if self._embedding is not None else None
         return grow(step, roots, self._pass, self.config.block_size, sampled, chain)
+
+    def _whole_round(self, step: DraftRound, active: list[int]) -> bool:
+        """Whether the catch-up pass and every drafting request's chain run as one kernel
+        call (``Eagle3HeadPlan.round``): chains drawn in one call, a plan with fc."""
+        if not active or self._embedding is None:
+            return False
+        plan = self.head.cpu_plan
+        if plan is None or plan.fc is None:
+            return False
+        return all(step.shapes[i].topk == 1 for i in active) and chain_in_one_call(step, active)
+
+    def _round(
+        self, step: DraftRound, catch: CatchUp, target_features: torch.Tensor, active: list[int]
+    ) -> Proposal:
+        plan, table = self.head.cpu_plan, self._embedding
+        assert plan is not None and table is not None
+        reqs = [step.sampling[i] for i in active]
+        depths = [step.shapes[i].depth for i in active]
+        temperature, u = chain_uniforms(step, active)
+        rows = torch.tensor([catch.last_row[r.request_id] for r in reqs], dtype=torch.int64)
+        base = torch.tensor([r.draft_start + len(r.draft_token_ids) for r in reqs])
+        tables = padded_tables([r.block_table for r in reqs], self.device)
+        inputs = catch.inputs
+        start = time.perf_counter()
+        tokens, probs, seconds = plan.round(
+            table, inputs.input_ids, target_features, inputs.positions, inputs.meta, rows,
+            temperature, u, base, tables, self.kv_caches[0], depths, not step.greedy,
+        )  # fmt: skip
+        rows_by_depth = [sum(n > d for n in depths) for d in range(1, max(depths))]
+        step.note_round(start, int(inputs.input_ids.shape[0]), seconds, rows_by_depth)
+        return placed(step, active, tokens, depths, probs)
 
     def _pass(
         self, tokens: torch.Tensor, state: torch.Tensor | None, inputs: ForwardInputs

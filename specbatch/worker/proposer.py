@@ -55,6 +55,16 @@ class DraftRound:
         roots' logits; ``"draft"``: a depth) that ended now, over ``rows`` rows."""
         self.note_split(kind, [rows])
 
+    def note_round(
+        self, start: float, catch_up_rows: int, catch_up_seconds: float, rows: list[int]
+    ) -> None:
+        """The catch-up pass over ``catch_up_rows`` rows and the depths' passes over
+        ``rows[i]`` rows each, run as one call that started at ``start`` and ended now, its
+        first ``catch_up_seconds`` the catch-up's."""
+        self.passes.append(("catch-up", catch_up_rows, start - self.mark + catch_up_seconds))
+        self.mark = start + catch_up_seconds
+        self.note_split("draft", rows)
+
     def note_split(self, kind: str, rows: list[int]) -> None:
         """Passes of ``kind`` over ``rows[i]`` rows each, run as one call that ended now: each
         noted with an equal share of its seconds."""

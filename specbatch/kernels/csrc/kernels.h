@@ -93,4 +93,21 @@ int sb_eagle3_chain(const int64_t* desc, int hidden, int a, const int64_t* depth
                     const int64_t* block_tables, long bt_stride, void* k_cache, void* v_cache,
                     int kv_heads_stride, int block_size, float eps, float scale, int bf16);
 
+/* draft_round.c: the head's pass (hidden features) over t rows it has not seen (embedding rows of ids, the
+ * target's features [t, fc_in] through fc), each drafting row's root at its row rows[r] of
+ * that pass, then sb_eagle3_chain past the roots; the seconds until the chain starts into
+ * catch_up_seconds */
+int sb_eagle3_round(const int64_t* desc, int hidden, int t, const int64_t* ids, const void* target_features,
+                    long ldtf, int fc_in, const void* fc, const void* fc_bias,
+                    const int64_t* positions, const int64_t* slots, int num_seqs,
+                    const int64_t* qsl, const int64_t* seq_lens, const int64_t* catch_tables,
+                    long catch_stride, int a, const int64_t* rows, const int64_t* depths,
+                    const void* embed, const void* embed_norm, const void* feature_norm,
+                    const void* final_norm, const void* lm_head, int vocab,
+                    const float* temperature, const float* u, long ldu, int64_t* tokens,
+                    long ldt, float* probs, long ldp, const int64_t* base,
+                    const int64_t* block_tables, long bt_stride, void* k_cache, void* v_cache,
+                    int kv_heads_stride, int block_size, float eps, float scale, int bf16,
+                    double* catch_up_seconds);
+
 #endif

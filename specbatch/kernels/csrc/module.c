@@ -109,6 +109,22 @@ static PyObject* py_eagle3_chain(PyObject* self, PyObject* const* args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* returns the seconds the head's pass over the rows it had not seen took, with the roots */
+static PyObject* py_eagle3_round(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    (void)self;
+    arg_t a[48];
+    if (parse(args, n, "piippiippppipppiipppppppippipipippippiiffi", a) < 0) return NULL;
+    int rc;
+    double seconds = 0.0;
+    Py_BEGIN_ALLOW_THREADS rc = sb_eagle3_round(
+        P(0), I(1), I(2), P(3), P(4), L(5), I(6), P(7), P(8), P(9), P(10), I(11), P(12), P(13),
+        P(14), L(15), I(16), P(17), P(18), P(19), P(20), P(21), P(22), P(23), I(24), P(25),
+        P(26), L(27), P(28), L(29), P(30), L(31), P(32), P(33), L(34), P(35), P(36), I(37),
+        I(38), F(39), F(40), I(41), &seconds);
+    Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(seconds);
+}
+
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
     (void)unused;
@@ -122,6 +138,7 @@ static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
     FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
     FAST(rejection_sample), FAST(layer_core), FAST(eagle3_pass), FAST(eagle3_chain),
+    FAST(eagle3_round),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
