@@ -40,3 +40,24 @@ def test_verify_pass_times_a_round_of_the_built_in_pair() -> None:
     assert cell["k"] == 2 and 1 <= cell["rows"] <= 3
     assert len(cell["ms"]) == 2 and all(ms > 0 for ms in cell["ms"])
     assert CpuDecoderPlan.forward is before
+
+
+@pytest.mark.usefixtures("benchmarks_importable")
+def test_round_cost_splits_the_steps_of_the_built_in_pair_and_puts_the_engine_back() -> None:
+    import argparse
+
+    from benchmarks import round_cost
+    from specbatch.engine.llm_engine import LLMEngine
+    from specbatch.worker.worker import Worker
+
+    before = Worker.execute, LLMEngine.step
+    args = argparse.Namespace(draft_lengths=[0, 2], chunks=1, max_tokens=8, temperature=1.0, seed=0)
+    cells = {c["k"]: c for c in round_cost.run(args)["cells"]}
+    assert (Worker.execute, LLMEngine.step) == before
+    assert all(c["tokens"] > 0 and c["seconds"] > 0 for c in cells.values())
+    assert list(cells[0]["rounds"]) == [0]  # plain decoding never drafts
+    assert max(cells[2]["rounds"]) <= 2
+    for rounds in (cells[0]["rounds"], cells[2]["rounds"]):
+        for r in rounds.values():
+            parts = sum(r[p] for p in round_cost.PARTS)
+            assert r["step"] == pytest.approx(parts, rel=0.2) and r["target pass"] > 0
