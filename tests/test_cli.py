@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,8 @@ def test_generate_jsonl_overrides_with_draft(
     err = capsys.readouterr().err
     assert f"{prompts}:3: warning: ignoring unknown field 'note'" in err
     assert "acceptance rate" in err
+    drafted = re.search(r"drafts in [\d.]+% of decoding steps \((\d+) of (\d+)\)", err)
+    assert drafted is not None and 0 < int(drafted.group(1)) <= int(drafted.group(2))
     by_index = {r["index"]: r for r in _records(out)}
     assert set(by_index) == {0, 1, 2}
     assert by_index[0]["id"] == "a" and by_index[0]["num_output_tokens"] == 2

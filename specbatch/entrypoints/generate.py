@@ -219,6 +219,11 @@ def _drive(
             f"{spec['mean_tokens_per_round']:.2f} tokens per round"
         )
     if speculative and spec.get("drafting_share") is not None:
-        summary += f"; drafts in {100 * spec['drafting_share']:.0f}% of decoding steps"
+        m = engine.metrics
+        share = 100 * m.drafting_steps / m.decoding_steps
+        shown = f"{share:.0f}%" if share >= 1 or share == 0 else f"{share:.2f}%"
+        summary += (
+            f"; drafts in {shown} of decoding steps ({m.drafting_steps:,} of {m.decoding_steps:,})"
+        )
     _say(summary)
     return 1 if num_rejected else 0
