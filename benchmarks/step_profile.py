@@ -122,10 +122,10 @@ def instrumented(clock: Clock) -> Iterator[None]:
         *((cpu.CpuKernels, op, "layer ops") for op in LAYER_OPS),
         (cpu.CpuKernels, "write_kv", "attention"),
         # the flat forward (model/cpu_forward.py): a layer's multiplies, attention and norms
-        # in one kernel call, a head's pass or whole chain (its LM head included) in one more
+        # in one kernel call, a head's pass or whole drafting call (its LM head included) in one
         (CpuDecoderPlan, "forward", "decoder stack"),
         (Eagle3HeadPlan, "forward", "draft head"),
-        (Eagle3HeadPlan, "chain", "draft head"),
+        (Eagle3HeadPlan, "round", "draft head"),
         (F, "linear", "matmul"),
         (cpu_attention.CpuAttentionBackend, "forward", "attention"),
         (attention.TorchAttentionBackend, "forward", "attention"),

@@ -327,12 +327,12 @@ def test_auto_with_the_trained_head_equals_transformers(trained) -> None:
 def test_the_whole_round_in_one_call_drafts_what_pass_by_pass_does(
     make_checkpoint, tmp_path, monkeypatch, dtype
 ) -> None:
-    """The EAGLE-3 head's drafting call three ways: the catch-up pass, the roots and the chains
-    in one kernel call (csrc/draft_round.c); the chains alone in one (csrc/draft_chain.c); and
-    pass by pass in Python. On batches sampled at temperature 1, greedily, and both mixed, with
-    chains cut short by max_tokens beside full ones (so that some requests draft while others
-    do not), the same outputs and the same drafts accepted (a draft whose K/V went astray, or
-    whose q differed, would change what is accepted)."""
+    """The EAGLE-3 head's drafting call two ways: the catch-up pass, the roots and the chains
+    in one kernel call (csrc/draft_round.c), and pass by pass in Python. On batches sampled at
+    temperature 1, greedily, and both mixed, with chains cut short by max_tokens beside full
+    ones (so that some requests draft while others do not), the same outputs and the same
+    drafts accepted (a draft whose K/V went astray, or whose q differed, would change what is
+    accepted)."""
     from specbatch.kernels.cpu import cpu_kernels
     from specbatch.worker.eagle_proposer import EagleProposer
 
@@ -350,9 +350,7 @@ def test_the_whole_round_in_one_call_drafts_what_pass_by_pass_does(
 
     monkeypatch.setattr(EagleProposer, "_round", counted)
     runs = {}
-    for mode in ("one call", "chains in one call", "pass by pass"):
-        if mode == "chains in one call":
-            monkeypatch.setattr(EagleProposer, "_whole_round", lambda self, step, active: False)
+    for mode in ("one call", "pass by pass"):
         if mode == "pass by pass":
             monkeypatch.setattr(EagleProposer, "_embedding", None)
         rounds.clear()
@@ -368,7 +366,7 @@ def test_the_whole_round_in_one_call_drafts_what_pass_by_pass_does(
         assert bool(rounds) == (mode == "one call")
         spec = llm.engine.metrics.spec
         runs[mode] = (got, spec.proposed, spec.accepted)
-    assert runs["one call"] == runs["chains in one call"] == runs["pass by pass"]
+    assert runs["one call"] == runs["pass by pass"]
     assert runs["one call"][2] > 0
 
 

@@ -1,5 +1,5 @@
 """Decoder layers run as a few CPU kernel calls: a Llama-family target's stack
-(``CpuDecoderPlan``) and an EAGLE-3 head's pass (``Eagle3HeadPlan``), or its whole draft chain.
+(``CpuDecoderPlan``) and an EAGLE-3 head's pass (``Eagle3HeadPlan``), or its whole drafting call.
 
 The module path (every layer's modules, one call each per op) spends more time in Python than
 the kernels take at small batches: a module call, a tensor allocation and a few attribute
@@ -293,39 +293,6 @@ class Eagle3HeadPlan(_FlatLayers):
         )  # fmt: skip
         return pre, out
 
-    def chain(
-        self,
-        embed: torch.Tensor,
-        logits: torch.Tensor,
-        state: torch.Tensor,
-        temperature: torch.Tensor,
-        u: torch.Tensor,
-        base: torch.Tensor,
-        tables: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        depths: list[int],
-        keep_q: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft chains past their roots (row r: logits [V] and feature, ``depths[r]`` drafts,
-        the first pass at key index ``base[r]``, block table ``tables[r]``), every row sampled
-        at its temperature alone (0: greedy) with its uniforms ``u[r]``: one kernel call
-        (``csrc/draft_chain.c``; ``lm_head`` must be set). Returns the drafts int64 [A, D]
-        (D the deepest; 0 past a row's own) and, with ``keep_q``, q [A, D, V]."""
-        assert self.lm_head is not None
-        a, vocab = logits.shape
-        assert vocab == self.lm_head.out_features
-        out = _ChainOut(a, depths, vocab, keep_q)
-        work = logits.contiguous().clone()
-        state, u = state.contiguous(), u.to(torch.float32).contiguous()
-        temperature = temperature.to(torch.float32).contiguous()
-        self.m.eagle3_chain(
-            self.desc.fields.data_ptr(), state.shape[1], a, out.depths.data_ptr(),
-            work.data_ptr(), state.data_ptr(), *self._chain_args(embed, vocab, temperature, u),
-            *out.args(), base.data_ptr(), tables.data_ptr(), tables.stride(0),
-            *self._cache_args(cache),
-        )  # fmt: skip
-        return out.tokens, out.probs
-
     def round(
         self,
         embed: torch.Tensor,
@@ -344,57 +311,38 @@ class Eagle3HeadPlan(_FlatLayers):
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """The head's pass over the T rows it has not seen (tokens ``ids`` [T], the target's
         features [T, fc in] of their positions, ``positions`` and ``meta`` as its forward
-        takes them), then ``chain`` from the roots at rows ``rows`` [A] of that pass: one kernel
-        call (``csrc/draft_round.c``; ``lm_head`` and ``fc`` must be set), the same bits as
-        ``EagleHead.from_target``, ``forward``, ``compute_logits`` of those rows and ``chain``.
-        Returns ``chain``'s drafts and q, and the seconds the pass and roots took."""
+        takes them), then draft chains past the roots at rows ``rows`` [A] of that pass (row r:
+        ``depths[r]`` drafts, the first pass at key index ``base[r]``, block table
+        ``tables[r]``), every row sampled at its temperature alone (0: greedy) with its
+        uniforms ``u[r]``: one kernel call (``csrc/draft_round.c``; ``lm_head`` and ``fc`` must
+        be set), the same bits as ``EagleHead.from_target``, ``forward``, ``compute_logits`` of
+        those rows and ``draft_loop.grow``'s chains. Returns the drafts int64 [A, D] (D the
+        deepest; 0 past a row's own), with ``keep_q`` q [A, D, V], and the seconds the pass and
+        the roots took."""
         assert self.lm_head is not None and self.fc is not None
-        vocab = self.lm_head.out_features
-        out = _ChainOut(rows.shape[0], depths, vocab, keep_q)
+        vocab, a = self.lm_head.out_features, rows.shape[0]
+        width = max(depths, default=0)
+        tokens = torch.zeros((a, width), dtype=torch.int64)
+        probs = torch.zeros((a, width, vocab), dtype=torch.float32) if keep_q else None
+        depth_t = torch.tensor(depths, dtype=torch.int64)
         if target_features.stride(-1) != 1:
             target_features = target_features.contiguous()
-        u, temperature = u.to(torch.float32).contiguous(), temperature.to(torch.float32)
+        u = u.to(torch.float32).contiguous()
+        temperature = temperature.to(torch.float32).contiguous()
         step = self.step_args(positions, meta)
         positions_ptr, slots_ptr = step.head
         num_seqs, qsl, seq_lens, catch_tables, catch_stride = step.tail[:5]
+        k_cache, v_cache = cache
         seconds = self.m.eagle3_round(
             self.desc.fields.data_ptr(), self.fc.n, ids.shape[0], ids.data_ptr(),
             target_features.data_ptr(), target_features.stride(0), self.fc.k,
             self.fc.panels.data_ptr(), _ptr(self.fc.bias), positions_ptr, slots_ptr, num_seqs,
-            qsl, seq_lens, catch_tables, catch_stride, rows.shape[0], rows.data_ptr(),
-            out.depths.data_ptr(), *self._chain_args(embed, vocab, temperature.contiguous(), u),
-            *out.args(), base.data_ptr(), tables.data_ptr(), tables.stride(0),
-            *self._cache_args(cache),
-        )  # fmt: skip
-        return out.tokens, out.probs, seconds
-
-    def _chain_args(
-        self, embed: torch.Tensor, vocab: int, temperature: torch.Tensor, u: torch.Tensor
-    ) -> tuple:
-        assert self.lm_head is not None
-        return (
+            qsl, seq_lens, catch_tables, catch_stride, a, rows.data_ptr(), depth_t.data_ptr(),
             embed.data_ptr(), self.embed_norm.data_ptr(), self.feature_norm.data_ptr(),
             self.final_norm.data_ptr(), self.lm_head.panels.data_ptr(), vocab,
-            temperature.data_ptr(), u.data_ptr(), u.stride(0),
+            temperature.data_ptr(), u.data_ptr(), u.stride(0), tokens.data_ptr(), width,
+            _ptr(probs), width * vocab, base.data_ptr(), tables.data_ptr(), tables.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3], self.eps,
+            self.scale, self.bf16,
         )  # fmt: skip
-
-    def _cache_args(self, cache: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-        k_cache, v_cache = cache
-        return (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[3],
-                self.eps, self.scale, self.bf16)  # fmt: skip
-
-
-class _ChainOut:
-    """What a chain call writes: the drafts int64 [A, D] (0 past a row's own) and, kept, q
-    [A, D, V]; ``depths`` as the kernel reads them."""
-
-    def __init__(self, a: int, depths: list[int], vocab: int, keep_q: bool) -> None:
-        self.width = max(depths, default=0)
-        self.vocab = vocab
-        self.tokens = torch.zeros((a, self.width), dtype=torch.int64)
-        self.probs = torch.zeros((a, self.width, vocab), dtype=torch.float32) if keep_q else None
-        self.depths = torch.tensor(depths, dtype=torch.int64)
-
-    def args(self) -> tuple:
-        """tokens, its row stride, q (or None), its row stride"""
-        return (self.tokens.data_ptr(), self.width, _ptr(self.probs), self.width * self.vocab)
+        return tokens, probs, seconds

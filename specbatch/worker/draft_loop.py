@@ -51,15 +51,6 @@ def padded_tables(blocks: list[list[int]], device: torch.device) -> torch.Tensor
     return torch.tensor(padded, dtype=torch.int64).to(device)
 
 
-# A drafter's whole chains in one call, where it has one: (the roots, each one's drafts, its
-# temperature [A] (0: greedy), its drafting uniforms [A, W], whether q is kept) -> the drafts
-# [A, D] and q [A, D, V] (or None), as ``_chain`` draws them for rows sampled at a temperature
-# alone
-DraftChain = Callable[
-    [Roots, list[int], torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]
-]
-
-
 @dataclass
 class CatchUp:
     """A drafter's pass over the tokens it has not seen (positions ``draft_start ..``)."""
@@ -101,10 +92,9 @@ def grow(
     forward: DraftPass,
     block_size: int,
     sampled: bool,
-    chain: DraftChain | None = None,
 ) -> Proposal:
-    """Draft nodes for ``step.sampling`` (requests outside ``roots.index`` get none); chains in
-    one call of ``chain`` where the step's sampling allows."""
+    """Draft nodes for ``step.sampling`` (requests outside ``roots.index`` get none), a pass
+    per depth."""
     device = roots.logits.device
     if not roots.index:
         return step.empty_proposal(device)
@@ -113,12 +103,7 @@ def grow(
     assert all(s.topk == topk for s in shapes), "a step drafts one number of children per node"
     parents = None
     if topk == 1:
-        depths = [s.depth for s in shapes]
-        whole = None if chain is None else _whole_chain(step, roots, chain, depths)
-        if whole is not None:
-            tokens, probs, counts = whole
-        else:
-            tokens, probs, counts = _chain(step, roots, forward, block_size, depths)
+        tokens, probs, counts = _chain(step, roots, forward, block_size, [s.depth for s in shapes])
     else:
         g = TreeGrower(step, roots, forward, block_size, topk, sampled and not step.greedy)
         g.run(max(s.depth for s in shapes), [s.depth for s in shapes])
@@ -156,38 +141,6 @@ def placed(
         out.probs = torch.zeros(batch, width, probs.shape[2], device=device)
         out.probs[where] = probs
     return out
-
-
-def chain_in_one_call(step: DraftRound, index: list[int]) -> bool:
-    """Whether the chains of the requests ``index`` can be drawn in one call of a drafter's
-    chain: no grammar, penalty, top-k, top-p or min-p, each chain at its temperature alone."""
-    if step.grammars is not None or step.penalties is not None:
-        return False
-    params = [step.params[i] for i in index]
-    return not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
-
-
-def chain_uniforms(step: DraftRound, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The temperatures [A] (float32) and drafting uniforms [A, W] of the requests ``index``
-    (the uniforms are read only at a temperature above 0)."""
-    temperature = torch.tensor([step.params[i].temperature for i in index], dtype=torch.float32)
-    u = step.uniforms
-    if not step.greedy and index != list(range(u.shape[0])):
-        u = u.index_select(0, torch.tensor(index, dtype=torch.int64, device=u.device))
-    return temperature.to(u.device), u
-
-
-def _whole_chain(
-    step: DraftRound, roots: Roots, chain: DraftChain, depths: list[int]
-) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
-    """``_chain``'s result from one call of ``chain``, or None where the step needs more than
-    it does (``chain_in_one_call``)."""
-    if not chain_in_one_call(step, roots.index):
-        return None
-    temperature, u = chain_uniforms(step, roots.index)
-    tokens, probs = chain(roots, depths, temperature, u, not step.greedy)
-    step.note_split("draft", [sum(n > d for n in depths) for d in range(1, max(depths))])
-    return tokens, probs, depths
 
 
 def _chain(

@@ -27,8 +27,6 @@ from specbatch.worker.draft_loop import (
     CatchUp,
     Roots,
     catch_up,
-    chain_in_one_call,
-    chain_uniforms,
     drafting,
     grow,
     padded_tables,
@@ -117,8 +115,7 @@ class EagleProposer(Drafter):
         )
         step.note("catch-up", int(inputs.input_ids.shape[0]))
         sampled = self.config.speculative_config.tree_children == "sampled"
-        chain = self._whole_chain if self._embedding is not None else None
-        return grow(step, roots, self._pass, self.config.block_size, sampled, chain)
+        return grow(step, roots, self._pass, self.config.block_size, sampled)
 
     def _whole_round(self, step: DraftRound, active: list[int]) -> bool:
         """Whether the catch-up pass and every drafting request's chain run as one kernel
@@ -128,7 +125,7 @@ class EagleProposer(Drafter):
         plan = self.head.cpu_plan
         if plan is None or plan.fc is None:
             return False
-        return all(step.shapes[i].topk == 1 for i in active) and chain_in_one_call(step, active)
+        return all(step.shapes[i].topk == 1 for i in active) and _chain_in_one_call(step, active)
 
     def _round(
         self, step: DraftRound, catch: CatchUp, target_features: torch.Tensor, active: list[int]
@@ -137,7 +134,7 @@ class EagleProposer(Drafter):
         assert plan is not None and table is not None
         reqs = [step.sampling[i] for i in active]
         depths = [step.shapes[i].depth for i in active]
-        temperature, u = chain_uniforms(step, active)
+        temperature, u = _chain_uniforms(step, active)
         rows = torch.tensor([catch.last_row[r.request_id] for r in reqs], dtype=torch.int64)
         base = torch.tensor([r.draft_start + len(r.draft_token_ids) for r in reqs])
         tables = padded_tables([r.block_table for r in reqs], self.device)
@@ -161,7 +158,7 @@ class EagleProposer(Drafter):
 
     @cached_property
     def _embedding(self) -> torch.Tensor | None:
-        """The table the head embeds tokens with, where its CPU plan can draft a whole chain
+        """The table the head embeds tokens with, where its CPU plan can run the whole drafting call
         (the plan covers the LM head, the table is whole on this rank); else None."""
         plan = self.head.cpu_plan
         if plan is None or plan.lm_head is None:
@@ -175,20 +172,6 @@ class EagleProposer(Drafter):
         if not isinstance(weight, torch.Tensor) or weight.dtype != plan.dtype:
             return None
         return weight
-
-    def _whole_chain(
-        self,
-        roots: Roots,
-        depths: list[int],
-        temperature: torch.Tensor,
-        u: torch.Tensor,
-        keep_q: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        plan, table = self.head.cpu_plan, self._embedding
-        assert plan is not None and table is not None and roots.state is not None
-        base = torch.tensor(roots.base, dtype=torch.int64)
-        return plan.chain(table, roots.logits, roots.state, temperature, u, base, roots.tables,
-                          self.kv_caches[0], depths, keep_q)  # fmt: skip
 
     def observe(self, step: DraftRound, outcome: RoundOutcome) -> None:
         """Keep the features of the positions the target processed and kept (a prompt chunk's
@@ -215,6 +198,25 @@ class EagleProposer(Drafter):
             kept.drop_before(r.draft_start + len(r.draft_token_ids))  # what the head now holds
             kept.add(new[at : at + len(kept_rows)])
             at += len(kept_rows)
+
+
+def _chain_in_one_call(step: DraftRound, index: list[int]) -> bool:
+    """Whether the chains of the requests ``index`` can be drawn in one kernel call: no
+    grammar, penalty, top-k, top-p or min-p, each chain at its temperature alone."""
+    if step.grammars is not None or step.penalties is not None:
+        return False
+    params = [step.params[i] for i in index]
+    return not any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+
+
+def _chain_uniforms(step: DraftRound, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The temperatures [A] (float32) and drafting uniforms [A, W] of the requests ``index``
+    (the uniforms are read only at a temperature above 0)."""
+    temperature = torch.tensor([step.params[i].temperature for i in index], dtype=torch.float32)
+    u = step.uniforms
+    if not step.greedy and index != list(range(u.shape[0])):
+        u = u.index_select(0, torch.tensor(index, dtype=torch.int64, device=u.device))
+    return temperature.to(u.device), u
 
 
 class KeptFeatures:

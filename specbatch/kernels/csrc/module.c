@@ -96,19 +96,6 @@ static PyObject* py_eagle3_pass(PyObject* self, PyObject* const* args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-static PyObject* py_eagle3_chain(PyObject* self, PyObject* const* args, Py_ssize_t n) {
-    (void)self;
-    arg_t a[32];
-    if (parse(args, n, "piippppppppippipipippippiiffi", a) < 0) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = sb_eagle3_chain(
-        P(0), I(1), I(2), P(3), P(4), P(5), P(6), P(7), P(8), P(9), P(10), I(11), P(12), P(13),
-        L(14), P(15), L(16), P(17), L(18), P(19), P(20), L(21), P(22), P(23), I(24), I(25), F(26),
-        F(27), I(28));
-    Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
 /* returns the seconds the head's pass over the rows it had not seen took, with the roots */
 static PyObject* py_eagle3_round(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     (void)self;
@@ -137,8 +124,7 @@ static PyObject* py_info(PyObject* self, PyObject* unused) {
 static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
     FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
-    FAST(rejection_sample), FAST(layer_core), FAST(eagle3_pass), FAST(eagle3_chain),
-    FAST(eagle3_round),
+    FAST(rejection_sample), FAST(layer_core), FAST(eagle3_pass), FAST(eagle3_round),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
