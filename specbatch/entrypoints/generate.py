@@ -220,7 +220,7 @@ def _drive(
         )
     if speculative and spec.get("drafting_share") is not None:
         m = engine.metrics
-        share = 100 * m.drafting_steps / m.decoding_steps
+        share = 100 * spec["drafting_share"]
         shown = f"{share:.0f}%" if share >= 1 or share == 0 else f"{share:.2f}%"
         summary += (
             f"; drafts in {shown} of decoding steps ({m.drafting_steps:,} of {m.decoding_steps:,})"

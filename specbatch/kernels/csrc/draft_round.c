@@ -17,8 +17,8 @@ static double now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-int sb_eagle3_round(const int64_t* desc, int h, int t, const int64_t* ids, const void* target_features,
-                    long ldtf, int fc_in, const void* fc, const void* fc_bias,
+int sb_eagle3_round(const int64_t* desc, int h, int t, const int64_t* ids,
+                    const void* target_features, long ldtf, int fc_in, const void* fc, const void* fc_bias,
                     const int64_t* positions, const int64_t* slots, int num_seqs,
                     const int64_t* qsl, const int64_t* seq_lens, const int64_t* catch_tables,
                     long catch_stride, int a, const int64_t* rows, const int64_t* depths,
@@ -48,7 +48,7 @@ int sb_eagle3_round(const int64_t* desc, int h, int t, const int64_t* ids, const
                             NULL, vocab, pre, normed, NULL, positions, slots, k_cache, v_cache,
                             kv_heads_stride, block_size, num_seqs, qsl, seq_lens, catch_tables,
                             catch_stride, NULL, NULL, eps, scale, bf16);
-    if (rc == 0 && a > 0) {
+    if (rc == 0) {
         for (int r = 0; r < a; r++) {
             memcpy(root_normed + r * row, normed + rows[r] * row, row);
             memcpy(state + r * row, pre + rows[r] * row, row);
@@ -59,14 +59,13 @@ int sb_eagle3_round(const int64_t* desc, int h, int t, const int64_t* ids, const
         else
             sb_linear_f32(a, vocab, h, (const float*)root_normed, h, (const float*)lm_head, NULL,
                           logits, vocab);
-        *catch_up_seconds = now() - start;
+    }
+    *catch_up_seconds = now() - start;
+    if (rc == 0)
         rc = sb_eagle3_chain(desc, h, a, depths, logits, state, embed, embed_norm, feature_norm,
                              final_norm, lm_head, vocab, temperature, u, ldu, tokens, ldt, probs,
                              ldp, base, block_tables, bt_stride, k_cache, v_cache,
                              kv_heads_stride, block_size, eps, scale, bf16);
-    } else {
-        *catch_up_seconds = now() - start;
-    }
     free(block);
     return rc;
 }
