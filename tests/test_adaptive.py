@@ -138,10 +138,11 @@ def test_chain_tokens_reads_an_acceptance_per_depth():
 
 def test_drafts_accepted_less_deeper_in_the_chain_shorten_it():
     """Two classes accept 3 drafts in 4 overall; one at every depth alike, the other 0.9 at
-    depths 1-2 and 0.2 beyond: the first drafts the deepest chain, the second stops at 2."""
-    ctl = priced(ladder(4, 1, 4))
+    depths 1-2 and 0.1 beyond: with a drafter pass a twentieth of the target's, the first
+    drafts the deepest chain, the second stops at 2."""
+    ctl = priced(ladder(4, 1, 4), drafter=lambda rows: 0.0001)
     flat, steep = GREEDY, SamplingParams(temperature=0.7, max_tokens=200)
-    for params, depth_rates in ((flat, [0.75] * 4), (steep, [0.9, 0.9, 0.2, 0.2])):
+    for params, depth_rates in ((flat, [0.75] * 4), (steep, [0.9, 0.9, 0.1, 0.1])):
         req = make_request("a", params)
         cls = (0.0, 1.0, 0, 0.0) if params.greedy else (0.7, 1.0, 0, 0.0)
         tested = [10_000 * 0.9**d for d in range(4)]
@@ -210,6 +211,28 @@ def test_drafts_at_batch_one_and_stops_where_rows_cost_more_than_they_return():
             assert shapes[0].nodes >= 2  # rows are free: draft deep
         else:
             assert all(s.nodes == 0 for s in shapes)
+
+
+def test_a_draft_is_made_only_where_it_keeps_the_rate():
+    """With a 2 ms target pass at any rows, a 0.3 ms drafter pass and alpha 0.7, chains of 1-4
+    drafts make 1.7, 2.19, 2.53 and 2.77 tokens in 2.3, 2.6, 2.9 and 3.2 ms: 0.74, 0.84, 0.87
+    and 0.87 - 0.007 tokens a ms. The fourth draft's tokens come faster (0.8 a ms) than
+    decoding without drafts makes them (0.5) but slower than the three-draft chain's: the
+    chain stops at three, where the tokens a second are most."""
+
+    def flat(rows: int) -> float:
+        return 0.002
+
+    ctl = accepting(priced(ladder(4, 1, 4), target=flat, drafter=lambda rows: 0.0003), 0.7)
+    shape = ctl.draft_shapes([make_request("a")])[0]
+    assert shape == DraftShape.chain(3)
+    cls, counts = GREEDY_CLASS, {GREEDY_CLASS: 1}
+    rates = ctl.depth_rates(cls)
+    made = {}
+    for k in range(5):
+        plan = {cls: DraftShape.chain(k)}
+        made[k] = ctl.tokens(cls, rates, plan[cls]) / ctl.seconds(counts, plan, 0, {cls: 1.0})
+    assert max(made, key=made.get) == 3 and made[4] > made[0]
 
 
 def test_a_prompt_carrying_step_is_priced_at_its_margin():

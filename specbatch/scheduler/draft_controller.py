@@ -25,20 +25,21 @@ bookkeeping: by the target's rows, prompts included, measured in steps that draf
 steps that do not; a step that drafts pays at least what the same step without drafts pays),
 each measured (row_costs.py).
 
-The choice. Every request will emit its tokens whatever is drafted; drafts only change how
-many seconds that takes. A draft pays when the tokens it adds cost fewer seconds than decoding
-them would: the plan of highest ``tokens - rate * seconds``, ``rate`` being what a step of the
-same requests without drafts and without prompts makes a second. So drafting stops where
-verifying rows or drafting passes cost more than the tokens they bring, and a step that carries
-prompts is priced at its margin. Each sampling class gets its own shape (two sweeps of
-choosing one class's shape with the others fixed), all drafting classes of a step with the
-same children per node.
+The choice. The plan of most tokens a second in the step's decoding: the plan of highest
+``tokens - rate * seconds`` with ``rate`` first what the same requests make a second without
+drafts and without prompts, then what the plan chosen makes, until it stops rising
+(Dinkelbach's iteration). So drafting stops where verifying rows or drafting passes cost more
+than the tokens they bring, a chain stops where a deeper draft's tokens come slower than the
+chain's own, and a step that carries prompts is priced at its margin. Each sampling class gets
+its own shape (two sweeps of choosing one class's shape with the others fixed), all drafting
+classes of a step with the same children per node.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
 STANDING_TIMING = 4  # steps of the same requests on a standing choice: one in this many is timed
 ALPHA_SLACK = 0.03  # the acceptance a choice stands through
+RATE_ROUNDS = 4  # Dinkelbach rounds at most (two or three settle it)
 OPTIMISM = 2.0  # standard errors added to an acceptance rate before it is priced
 
 SamplingClass = tuple[float, float, int, float]
@@ -158,6 +160,7 @@ class DraftController:
         self._untimed = 0  # steps served from ``_standing`` since one was timed
         self._served = False  # whether the last call was served from ``_standing``
         self._idle = 0  # steps since a plan last drafted (the probes' loss is paid from it)
+        self._pricing = 0.0  # seconds spent choosing since the last step was observed
 
     # ---- expectations --------------------------------------------------------------------
     def class_rate(self, cls: SamplingClass) -> float:
@@ -226,6 +229,17 @@ class DraftController:
 
     # ---- the choice ----------------------------------------------------------------------
     def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+        """Each request's shape. The seconds this call takes are left out of the step's
+        seconds ``observe`` prices: a priced step (every probe is one) would otherwise charge
+        the pricing to the plan it ran, and no drafts, run only by probes, would look dearer
+        than they are."""
+        start = time.perf_counter()
+        try:
+            return self._shapes(requests, prompt_rows)
+        finally:
+            self._pricing += time.perf_counter() - start
+
+    def _shapes(self, requests: list[Request], prompt_rows: int) -> list[DraftShape]:
         if not requests:
             return []
         shapes = self._as_before(requests, prompt_rows)
@@ -255,9 +269,7 @@ class DraftController:
         probe = self._steps[n] % PROBE_EVERY == 0
         choice = self._choice
         if probe or choice is None or not choice.steps_left or not step.near(choice.read):
-            decode_only = self.seconds(step.counts, none, 0)  # what no drafts make a second
-            rate = len(requests) / (decode_only or 1.0)
-            plan = self._best(step, rate, none)
+            plan, rate = self._fastest(step, none)
             if probe:
                 plan = self._runner_up(step, rate, plan, groups)
             choice = _Choice(step, plan, REUSE_STEPS)
@@ -337,16 +349,36 @@ class DraftController:
         tokens, seconds = self._estimate(step, plan)
         return float("-inf") if seconds is None else tokens - rate * seconds
 
-    def _best(self, step: _Step, rate: float, plan: Shapes) -> Shapes:
-        """The plan of most value; ``plan`` drafts nothing. Drafts must beat no drafts by a
-        margin: where they barely pay, the model's errors would decide, and a wrong draft
-        costs more than a wrong abstention. In a step carrying prompts they must also pay in
-        the same step without them: priced at the margin of a prompt-heavy step, drafts look
-        cheap, and the drafter's catch-up they start is worth its price only if the requests
-        go on drafting in the steps that follow, which carry fewer prompts."""
+    def _fastest(self, step: _Step, none: Shapes) -> tuple[Shapes, float]:
+        """The plan to run and the rate (tokens a second) its seconds are worth: the plan of
+        most tokens a second in the step's requests' decoding, found as Dinkelbach's iteration
+        does (the plan of most value at a rate, then the rate that plan makes, until it stops
+        rising). Its first round prices at what no drafts make, so drafts are made only where
+        they beat decoding without them; the later rounds, at what the drafts chosen make, so
+        a deeper draft is made only if its tokens come as fast as the shorter chain's: one
+        that merely beats no drafts would lower the rate."""
+        bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
+        decoding = bare or step
+        rate = sum(step.counts.values()) / (self.seconds(step.counts, none, 0) or 1.0)
+        plan = none
+        for _ in range(RATE_ROUNDS):
+            trial = self._best(step, bare, rate, none)
+            tokens, seconds = self._estimate(decoding, trial)
+            if trial == plan or not seconds or tokens / seconds <= rate:
+                break
+            plan, rate = trial, tokens / seconds
+        return plan, rate
+
+    def _best(self, step: _Step, bare: _Step | None, rate: float, plan: Shapes) -> Shapes:
+        """The plan of most value at ``rate``; ``plan`` drafts nothing, ``bare`` is the step
+        without its prompts (None: it has none). Drafts must beat no drafts by a margin: where
+        they barely pay, the model's errors would decide, and a wrong draft costs more than a
+        wrong abstention. In a step carrying prompts they must also pay in the same step
+        without them: priced at the margin of a prompt-heavy step, drafts look cheap, and the
+        drafter's catch-up they start is worth its price only if the requests go on drafting
+        in the steps that follow, which carry fewer prompts."""
         n = sum(step.counts.values())
         best = self._value(step, plan, rate) + MARGIN * n
-        bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
         floor = 0.0 if bare is None else self._value(bare, plan, rate) + MARGIN * n
         classes = sorted(step.counts, key=lambda c: -step.counts[c])
         for _ in range(1 if len(classes) == 1 else 2):
@@ -395,6 +427,7 @@ class DraftController:
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
         """Count each class's tested drafts and trees' yields; price the passes it ran."""
+        seconds, self._pricing = max(seconds - self._pricing, 1e-6), 0.0
         drafted = 0
         for sr in plan.requests:
             r = result.results.get(sr.request_id)
