@@ -29,6 +29,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
+from specbatch.kernels.huge_pages import into_huge_pages
 from specbatch.model.checkpoint import ModelConfig, at, load_hf_config
 from specbatch.model.cpu_forward import Eagle3HeadPlan
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -290,6 +291,7 @@ class EagleHead(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
+        into_huge_pages(self)
         self.cpu_plan = Eagle3HeadPlan.build(self, kernels)
 
     def kv_cache_bytes_per_token(self) -> int:

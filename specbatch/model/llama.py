@@ -16,6 +16,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
+from specbatch.kernels.huge_pages import into_huge_pages
 from specbatch.model.cpu_forward import CpuDecoderPlan
 from specbatch.model.layers.activation import SiluAndMul
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -352,6 +353,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
+        into_huge_pages(self)
         self.model.cpu_plan = CpuDecoderPlan.build(self.model, kernels)
 
     def kv_cache_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
