@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,7 +54,8 @@ class EngineState:
 
 def merge_metrics(parts: Iterable[EngineMetrics]) -> EngineMetrics:
     """The counters of several engines added up, as the first one's class (a subclass's own
-    counters included); every field is a number, a ``SpecStats`` or a ``Counter``."""
+    counters included); every field is a number, a ``SpecStats``, a ``Counter`` or a dict of
+    figures each engine measured (any one's taken)."""
     parts = list(parts)
     total = type(parts[0])() if parts else EngineMetrics()
     for m in parts:
@@ -63,7 +63,7 @@ def merge_metrics(parts: Iterable[EngineMetrics]) -> EngineMetrics:
             mine, theirs = getattr(total, f.name), getattr(m, f.name)
             if isinstance(mine, SpecStats):
                 mine.merge(theirs)
-            elif isinstance(mine, Counter):
+            elif isinstance(mine, dict):  # a Counter adds up; another dict takes any one's
                 mine.update(theirs)
             else:
                 setattr(total, f.name, mine + theirs)

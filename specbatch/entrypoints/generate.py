@@ -11,6 +11,7 @@ from typing import Any
 
 from specbatch.engine.data_parallel import DataParallelEngine, create_engine
 from specbatch.engine.llm_engine import LLMEngine
+from specbatch.engine.metrics import EngineMetrics
 from specbatch.entrypoints.flags import (
     add_engine_flags,
     add_sampling_flags,
@@ -212,18 +213,33 @@ def _drive(
     summary = ", ".join(parts) + (
         f"; {tokens} output tokens in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.1f} tokens/s)"
     )
-    spec = engine.metrics.summary() if speculative else {}
+    if speculative:
+        summary += speculation_summary(engine.metrics)
+    _say(summary)
+    return 1 if num_rejected else 0
+
+
+def speculation_summary(metrics: EngineMetrics) -> str:
+    """What speculation did, for generate's closing line: the acceptance and tokens a round,
+    the share of decoding steps that drafted, and (with ``auto``) drafting's tokens/s against
+    plain decoding's where the engine measured both."""
+    spec = metrics.summary()
+    out = ""
     if spec.get("acceptance_rate") is not None:
-        summary += (
+        out += (
             f"; acceptance rate {spec['acceptance_rate']:.3f} (alpha {spec['alpha']:.3f}), "
             f"{spec['mean_tokens_per_round']:.2f} tokens per round"
         )
-    if speculative and spec.get("drafting_share") is not None:
-        m = engine.metrics
+    if spec.get("drafting_share") is not None:
         share = 100 * spec["drafting_share"]
         shown = f"{share:.0f}%" if share >= 1 or share == 0 else f"{share:.2f}%"
-        summary += (
-            f"; drafts in {shown} of decoding steps ({m.drafting_steps:,} of {m.decoding_steps:,})"
+        out += (
+            f"; drafts in {shown} of decoding steps "
+            f"({metrics.drafting_steps:,} of {metrics.decoding_steps:,})"
         )
-    _say(summary)
-    return 1 if num_rejected else 0
+    for batch, (drafting, plain) in sorted(metrics.measured.items()):
+        out += (
+            f"; measured at batch {batch}: drafting made {drafting / plain:.2f}x plain decoding's "
+            f"tokens/s ({drafting:,.0f} against {plain:,.0f})"
+        )
+    return out

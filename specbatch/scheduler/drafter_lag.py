@@ -46,6 +46,7 @@ class DrafterLag:
         self.quiet = 0  # policy calls in a row that wanted none
         self.asleep_with: int | None = None  # running requests when it fell asleep
         self.slept = 0  # steps asleep
+        self.wake_after = WAKE_AFTER  # steps it sleeps at most this time
 
     @property
     def asleep(self) -> bool:
@@ -61,17 +62,25 @@ class DrafterLag:
         self.quiet = 0 if drafts else self.quiet + 1
         if self.quiet < SLEEP_AFTER or self.draft_input == "none" or len(running) < 2:
             return
-        self.asleep_with, self.slept, self.quiet = len(running), 0, 0
+        self.sleep_for(WAKE_AFTER, running)
+
+    def sleep_for(self, steps: int, running: list[Request]) -> None:
+        """Sleeps now, for ``steps`` steps at most: every running request's drafter off."""
+        self.asleep_with, self.slept, self.quiet, self.wake_after = len(running), 0, 0, steps
         for req in running:
             req.drafter_off = True
+
+    def wake(self) -> None:
+        """Requests admitted from now on have a drafter again."""
+        self.asleep_with = None
 
     def tick(self, running: int) -> None:
         """Once a step, with the requests running: wakes when due."""
         if self.asleep_with is None:
             return
         self.slept += 1
-        if running <= self.asleep_with // 2 or self.slept >= WAKE_AFTER:
-            self.asleep_with = None
+        if running <= self.asleep_with // 2 or self.slept >= self.wake_after:
+            self.wake()
 
     def admitted(self, req: Request) -> None:
         """A request admitted while the drafter sleeps has it off."""
