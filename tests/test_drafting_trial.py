@@ -60,8 +60,13 @@ def test_where_drafting_makes_more_it_goes_on_and_is_tried_less_and_less():
     assert not lv.plain and lv.interval >= 8
 
 
-def test_plain_decoding_ahead_within_the_margin_does_not_stop_drafts():
-    trial, _, asleep = drive(30 * EPOCH, drafting=1000.0, plain=1000.0 * (1 + MARGIN / 2))
+def test_drafting_ahead_within_the_margin_does_not_go_on():
+    trial, _, asleep = drive(30 * EPOCH, drafting=1000.0 * (1 + MARGIN / 2), plain=1000.0)
+    assert trial.levels[2].plain and asleep > 0.8
+
+
+def test_drafting_ahead_by_more_than_the_margin_goes_on():
+    trial, _, asleep = drive(30 * EPOCH, drafting=1000.0 * (1 + 2 * MARGIN), plain=1000.0)
     assert not trial.levels[2].plain and asleep < 0.2
 
 

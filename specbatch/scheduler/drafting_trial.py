@@ -8,9 +8,10 @@ prompts arrive one at a time instead of together. So, with two requests or more 
 (``level``: one per doubling), the engine also compares the two directly. After a stretch of
 ``EPOCH`` steps at a level in which most steps drafted, the drafter sleeps for one (its
 requests decode plainly; ``SETTLE`` steps after the switch are not counted), and the output
-tokens a second of the two stretches are compared. Plain decoding ahead by more than
-``MARGIN``: the drafter sleeps on at that level for ``interval`` stretches, then drafts for one
-and is tried again. Else drafting goes on for ``interval`` stretches before the next trial. A
+tokens a second of the two stretches are compared. Unless drafting made more than ``MARGIN``
+more, the drafter sleeps on at that level for ``interval`` stretches, then drafts for one and
+is tried again (where the two are about even, plain decoding, which cannot lose, is kept);
+else drafting goes on for ``interval`` stretches before the next trial. A
 level's interval doubles while its verdict stands (up to ``MAX_INTERVAL``) and starts again at
 one when it turns; leaving the level ends a trial or a hold. With ``auto`` only: a fixed draft
 length is the user's. Coming back to a level where plain decoding won, the drafter sleeps at once.
@@ -23,9 +24,9 @@ from dataclasses import dataclass
 from specbatch.request import Request
 from specbatch.scheduler.drafter_lag import DrafterLag
 
-EPOCH = 128  # steps a regime is measured over
+EPOCH = 256  # steps a regime is measured over
 SETTLE = 32  # steps after a switch left out (requests admitted before it run the old way)
-MARGIN = 0.02  # how far plain decoding must be ahead for the drafter to sleep on
+MARGIN = 0.02  # how far drafting must be ahead for it to go on
 MAX_INTERVAL = 64  # stretches between two trials at most
 
 
@@ -135,7 +136,7 @@ class DraftingTrial:
             return
         self.trial = False
         self.measured[batch_range(s.level)] = (lv.drafting_rate, s.rate)
-        plain = s.rate > lv.drafting_rate * (1 + MARGIN)
+        plain = lv.drafting_rate <= s.rate * (1 + MARGIN)
         lv.interval = min(2 * lv.interval, MAX_INTERVAL) if plain == lv.plain else 1
         lv.plain, lv.done = plain, 0
         if plain:
