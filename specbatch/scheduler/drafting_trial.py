@@ -3,8 +3,8 @@
 The draft controller prices each step from what its passes cost. Where drafts stop paying,
 drafting and plain decoding differ by a few percent, less than what a step's price leaves out:
 the steps without drafts it times run between drafting steps (the drafter's weights in the
-caches), and a drafting batch's requests finish at different steps, so that their successors'
-prompts arrive one at a time instead of together. So, with two requests or more running
+caches), and drafting changes when a batch's requests end, and with it how the prompts that
+follow share steps with the others' decoding. So, with two requests or more running
 (``level``: one per doubling), the engine also compares the two directly. After a stretch of
 ``EPOCH`` steps at a level in which most steps drafted, the drafter sleeps for one (its
 requests decode plainly; ``SETTLE`` steps after the switch are not counted), and the output
