@@ -322,18 +322,18 @@ class LLMEngine:
         seconds = time.perf_counter() - start  # the whole step: the policy prices it all
         if not self.scheduler.lag.asleep:  # a sleeping drafter's policy learns nothing
             self.scheduler.policy.observe(plan, result, seconds)
-        if self.trial is not None:
-            tokens = sum(len(r.token_ids) for r in result.results.values())
-            drafted = any(sr.num_draft for sr in plan.requests)
+        m = self.metrics
+        tokens, drafting_steps = m.num_generated_tokens, m.drafting_steps
+        m.on_step(plan, result, seconds)
+        if self.trial is not None:  # the step's tokens and whether it drafted, as counted
             self.trial.step(
                 self.scheduler.lag,
                 self.scheduler.running,
                 len(plan.requests),
-                tokens,
+                m.num_generated_tokens - tokens,
                 seconds,
-                drafted,
+                m.drafting_steps > drafting_steps,
             )
-        self.metrics.on_step(plan, result, seconds)
         return failed + outputs
 
     def _outputs_of(self, touched: list[Request]) -> list[RequestOutput]:
