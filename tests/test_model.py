@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -341,11 +339,9 @@ def test_tensor_parallel_2_matches_single(
 
     paths = [make_checkpoint(arch, **kwargs) for arch, kwargs in TP_CASES]
     args = (2, str(tmp_path / "init"), [str(p) for p in paths], str(tmp_path))
-    # fork saves each rank re-importing torch and transformers, but is only safe while this
-    # process runs no other thread (another test module may have started Ray in it).
-    can_fork = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
-    method = "fork" if can_fork and "ray" not in sys.modules else "spawn"
-    ctx = mp.start_processes(_tp_worker, args=args, nprocs=2, join=False, start_method=method)
+    # spawned, not forked: a fork copies the native threads other tests' engines left running
+    # (which Python's thread count does not see), and a child exiting with them aborts
+    ctx = mp.start_processes(_tp_worker, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 180
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
