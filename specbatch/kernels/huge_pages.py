@@ -15,7 +15,7 @@ import mmap
 import torch
 from torch import nn
 
-from specbatch.kernels.cpu import PackedLinear
+from specbatch.kernels.cpu import CpuKernels, PackedLinear
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each weight starts on a cache line
@@ -31,6 +31,15 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]
+
+
+def pack_for_kernels(model: nn.Module, kernels: CpuKernels) -> None:
+    """Repacks the weights of ``model``'s submodules for ``kernels`` (each one's
+    ``use_cpu_kernels``) and moves them into one huge-page buffer."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "use_cpu_kernels"):
+            module.use_cpu_kernels(kernels)
+    into_huge_pages(model)
 
 
 def into_huge_pages(model: nn.Module) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
-from specbatch.kernels.huge_pages import into_huge_pages
+from specbatch.kernels.huge_pages import pack_for_kernels
 from specbatch.model.checkpoint import ModelConfig, at, load_hf_config
 from specbatch.model.cpu_forward import Eagle3HeadPlan
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -288,10 +288,7 @@ class EagleHead(nn.Module):
 
     # ---- set-up --------------------------------------------------------------------------
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        for module in self.modules():
-            if module is not self and hasattr(module, "use_cpu_kernels"):
-                module.use_cpu_kernels(kernels)
-        into_huge_pages(self)
+        pack_for_kernels(self, kernels)
         self.cpu_plan = Eagle3HeadPlan.build(self, kernels)
 
     def kv_cache_bytes_per_token(self) -> int:

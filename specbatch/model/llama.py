@@ -16,7 +16,7 @@ from torch import nn
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
-from specbatch.kernels.huge_pages import into_huge_pages
+from specbatch.kernels.huge_pages import pack_for_kernels
 from specbatch.model.cpu_forward import CpuDecoderPlan
 from specbatch.model.layers.activation import SiluAndMul
 from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -350,10 +350,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the layers through specbatch's CPU kernels (the weights must be loaded)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "use_cpu_kernels"):
-                module.use_cpu_kernels(kernels)
-        into_huge_pages(self)
+        pack_for_kernels(self, kernels)
         self.model.cpu_plan = CpuDecoderPlan.build(self.model, kernels)
 
     def kv_cache_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:

@@ -132,9 +132,10 @@ class DraftingTrial:
                 lag.wake()
                 self.stretch = _Stretch(s.level, False)
             return
-        if not self.trial or lv.drafting_rate is None:
+        if not self.trial:
             return
         self.trial = False
+        assert lv.drafting_rate is not None  # a trial follows a drafting stretch
         self.measured[batch_range(s.level)] = (lv.drafting_rate, s.rate)
         plain = lv.drafting_rate <= s.rate * (1 + MARGIN)
         lv.interval = min(2 * lv.interval, MAX_INTERVAL) if plain == lv.plain else 1
