@@ -4,14 +4,16 @@
  * along K, the operand layout of AVX512-BF16's dot product). A micro-kernel computes a tile of
  * rows of x against a group of panels with every partial sum in a register, streaming each
  * panel once per tile: MR rows x NP panels (4 x 4 on AVX-512's 32 registers, 4 x 1 on AVX2's
- * 16); fewer rows take more panels on AVX-512, so that enough independent sums are in flight
- * while the weights stream past (decoding at batch 1 sends one row). With several rows, a
+ * 16); fewer rows take more panels (on AVX2 one row four, two rows two, a panel's vector used
+ * as soon as it is loaded), so that enough independent sums are in flight while the weights
+ * stream past (decoding at batch 1 sends one row). With several rows, a
  * group's first tile prefetches the next group, whose panels then arrive while the other tiles
  * compute. bfloat16 runs on the BF16 dot product where the CPU has it, else as two FMAs per
- * pair (k, then k + 1). More than MR rows go to gemm_tall.c's taller tiles, except bfloat16 on
+ * pair (k, then k + 1) with x widened to float32 once per call. More than MR rows go to gemm_tall.c's taller tiles, except bfloat16 on
  * the dot product. Every output is summed over k in the same order whatever the tile, M or the
  * row's place in x, so a row's result does not depend on the rest of the batch. */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "common.h"
 #include "kernels.h"
@@ -25,10 +27,10 @@
 #define NPMAX 16
 #else
 #define NP 1
-#define NP1 1
-#define NP2 1
+#define NP1 4  /* a one-row tile: four panels' sums, eight chains of FMAs in flight */
+#define NP2 2
 #define NP3 1
-#define NPMAX 1 /* arrays of sums small enough to live in registers */
+#define NPMAX 4
 #endif
 #define NR 16
 
@@ -85,6 +87,16 @@ SB_INLINE void kernel_f32(const int TM, const int TP, int mr, int np, int K, con
         vf b[NPMAX];
         if (pf)
             for (int j = 0; j < TP; j++) prefetch(pf + j * pstride + (long)k * NR);
+        if (!SB_WIDE && TM <= 2) { /* a panel at a time: its vector is read by few rows */
+            vf a[2];
+            for (int m = 0; m < TM; m++) a[m] = vf_set1(m < mr ? x[m * ldx + k] : 0.0f);
+            for (int j = 0; j < TP; j++) {
+                if (j >= np) break;
+                vf bj = vf_loadu(w + j * pstride + (long)k * NR);
+                for (int m = 0; m < TM; m++) acc[m][j] = vf_fma(a[m], bj, acc[m][j]);
+            }
+            continue;
+        }
         for (int j = 0; j < TP; j++)
             b[j] = j < np ? vf_loadu(w + j * pstride + (long)k * NR) : vf_zero();
         for (int j = 0; j < TP; j++) keep_in_register(&b[j]);
@@ -146,6 +158,7 @@ int sb_has_bf16_dot(void) {
 }
 
 #ifdef __AVX512BF16__
+typedef uint16_t xbf_t; /* the dot product reads x's pairs as they are */
 SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, const uint16_t* x,
                            long ldx, const uint16_t* w, long pstride, int n_left,
                            const uint16_t* bias, void* y, long ldy, const int y_bf16,
@@ -187,8 +200,10 @@ SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, co
     finish(TM, TP, acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
 #else
-/* Without the dot product: per pair, acc += x[k] w[k], then acc += x[k + 1] w[k + 1]. */
-SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, const uint16_t* x,
+typedef float xbf_t;
+/* Without the dot product: per pair, acc += x[k] w[k], then acc += x[k + 1] w[k + 1]; x comes
+ * widened to float32 (widen_rows), so a row's value is broadcast straight from memory. */
+SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, const float* x,
                            long ldx, const uint16_t* w, long pstride, int n_left,
                            const uint16_t* bias, void* y, long ldy, const int y_bf16,
                            const uint16_t* pf) {
@@ -200,6 +215,21 @@ SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, co
         vf be[NPMAX], bo[NPMAX];
         if (pf)
             for (int j = 0; j < TP; j++) prefetch(pf + j * pstride + (long)k2 * 2 * NR);
+        if (!SB_WIDE && TM <= 2) { /* a panel at a time, as in kernel_f32 */
+            vf ae[2], ao[2];
+            for (int m = 0; m < TM; m++) {
+                ae[m] = vf_set1(m < mr ? x[m * ldx + 2 * k2] : 0.0f);
+                ao[m] = vf_set1(m < mr ? x[m * ldx + 2 * k2 + 1] : 0.0f);
+            }
+            for (int j = 0; j < TP; j++) {
+                if (j >= np) break;
+                vf e, o;
+                bf16_pairs(w + j * pstride + (long)k2 * 2 * NR, &e, &o);
+                for (int m = 0; m < TM; m++)
+                    acc[m][j] = vf_fma(ao[m], o, vf_fma(ae[m], e, acc[m][j]));
+            }
+            continue;
+        }
         for (int j = 0; j < TP; j++) {
             if (j < np)
                 bf16_pairs(w + j * pstride + (long)k2 * 2 * NR, &be[j], &bo[j]);
@@ -208,8 +238,8 @@ SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, co
         }
         for (int m = 0; m < TM; m++) {
             if (m < mr) {
-                vf ae = vf_set1(bf16_to_f32(x[m * ldx + 2 * k2]));
-                vf ao = vf_set1(bf16_to_f32(x[m * ldx + 2 * k2 + 1]));
+                vf ae = vf_set1(x[m * ldx + 2 * k2]);
+                vf ao = vf_set1(x[m * ldx + 2 * k2 + 1]);
                 for (int j = 0; j < TP; j++) acc[m][j] = vf_fma(ao, bo[j], vf_fma(ae, be[j], acc[m][j]));
             }
         }
@@ -220,14 +250,32 @@ SB_INLINE void kernel_bf16(const int TM, const int TP, int mr, int np, int K, co
             vf be, bo;
             bf16_pairs(w + j * pstride + (long)K2 * 2 * NR, &be, &bo);
             for (int m = 0; m < TM; m++)
-                if (m < mr) acc[m][j] = vf_fma(vf_set1(bf16_to_f32(x[m * ldx + K - 1])), be, acc[m][j]);
+                if (m < mr) acc[m][j] = vf_fma(vf_set1(x[m * ldx + K - 1]), be, acc[m][j]);
         }
     }
     finish(TM, TP, acc, mr, np, n_left, bias, 1, y, ldy, y_bf16);
 }
 #endif
 
-SB_INLINE void tile_bf16(int tm, int mr, int np, int K, const uint16_t* x, long ldx,
+#ifndef __AVX512BF16__
+/* x's M rows as float32 in a buffer of the calling thread's, row after row (K apart). */
+static const float* widen_rows(int M, int K, const uint16_t* x, long ldx) {
+    static __thread float* buf = 0;
+    static __thread long cap = 0;
+    long need = (long)M * K;
+    if (need > cap) {
+        free(buf);
+        buf = malloc(need * sizeof(float));
+        if (!buf) abort();
+        cap = need;
+    }
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) buf[(long)m * K + k] = bf16_to_f32(x[(long)m * ldx + k]);
+    return buf;
+}
+#endif
+
+SB_INLINE void tile_bf16(int tm, int mr, int np, int K, const xbf_t* x, long ldx,
                          const uint16_t* w, long pstride, int n_left, const uint16_t* bias,
                          void* y, long ldy, const int y_bf16, const uint16_t* pf) {
     if (tm == 1)
@@ -252,11 +300,16 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
         sb_linear_bf16_amx(M, N, K, x, ldx, wp, bias, y, ldy, y_f32);
         return;
     }
-#ifndef __AVX512BF16__
+#ifdef __AVX512BF16__
+    const xbf_t* xk = x;
+    long ldk = ldx;
+#else
     if (M > MR) {
         sb_linear_tall(M, N, K, x, ldx, wp, 1, bias, y, ldy, !y_f32);
         return;
     }
+    const xbf_t* xk = widen_rows(M, K, x, ldx);
+    long ldk = K;
 #endif
     int npanel = (N + NR - 1) / NR;
     int tm = tile_rows(M), tp = tile_panels(tm);
@@ -273,10 +326,10 @@ void sb_linear_bf16(int M, int N, int K, const uint16_t* x, long ldx, const uint
             char* yp = (char*)y + ((long)m * ldy + (long)p * NR) * esz;
             const uint16_t* pf = prefetches(M, m, g, ngroup) ? wp + (p + tp) * pstride : 0;
             if (y_f32)
-                tile_bf16(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
+                tile_bf16(tm, mr, np, K, xk + (long)m * ldk, ldk, wp + p * pstride, pstride,
                           N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 0, pf);
             else
-                tile_bf16(tm, mr, np, K, x + (long)m * ldx, ldx, wp + p * pstride, pstride,
+                tile_bf16(tm, mr, np, K, xk + (long)m * ldk, ldk, wp + p * pstride, pstride,
                           N - p * NR, bias ? bias + p * NR : 0, yp, ldy, 1, pf);
         }
     }
