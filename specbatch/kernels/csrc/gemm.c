@@ -6,12 +6,13 @@
  * panel once per tile: MR rows x NP panels (4 x 4 on AVX-512's 32 registers, 4 x 1 on AVX2's
  * 16); fewer rows take more panels (on AVX2 one row four, two rows two, a panel's vector used
  * as soon as it is loaded), so that enough independent sums are in flight while the weights
- * stream past (decoding at batch 1 sends one row). With several rows, a
- * group's first tile prefetches the next group, whose panels then arrive while the other tiles
- * compute. bfloat16 runs on the BF16 dot product where the CPU has it, else as two FMAs per
- * pair (k, then k + 1) with x widened to float32 once per call. More than MR rows go to gemm_tall.c's taller tiles, except bfloat16 on
- * the dot product. Every output is summed over k in the same order whatever the tile, M or the
- * row's place in x, so a row's result does not depend on the rest of the batch. */
+ * stream past (decoding at batch 1 sends one row). With several rows, a group's first tile
+ * prefetches the next group, whose panels then arrive while the other tiles compute. bfloat16
+ * runs on the BF16 dot product where the CPU has it, else as two FMAs per pair (k, then
+ * k + 1) with x widened to float32 once per call. More than MR rows go to gemm_tall.c's taller
+ * tiles, except bfloat16 on the dot product. Every output is summed over k in the same order
+ * whatever the tile, M or the row's place in x, so a row's result does not depend on the rest
+ * of the batch. */
 #include <omp.h>
 #include <stdlib.h>
 
