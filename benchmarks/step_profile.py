@@ -131,7 +131,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
         (attention.TorchAttentionBackend, "forward", "attention"),
     ]
     for module in (worker, rejection_sampler, draft_loop, tree_verify):
-        for name in ("logits_to_probs", "sample", "rejection_sample", "greedy_verify",
+        for name in ("logits_to_probs", "sample", "rejection_sample", "greedy_walk",
                      "verify_tree"):  # fmt: skip
             if hasattr(module, name):
                 wraps.append((module, name, "sampling"))

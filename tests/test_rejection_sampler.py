@@ -31,7 +31,7 @@ from scipy.stats import binomtest
 
 from specbatch.stats import chi_square_gof, total_variation
 from specbatch.worker import rejection_sampler as rs_module
-from specbatch.worker.rejection_sampler import rejection_sample
+from specbatch.worker.rejection_sampler import greedy_walk, rejection_sample
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
 
 ALPHA = 1e-3  # false-alarm budget per test
@@ -305,6 +305,30 @@ def test_greedy_accepts_matching_prefix_and_emits_target_argmax() -> None:
             emitted = result.token_ids[b, : m + 1]
             assert torch.equal(emitted, target_tok[b, : m + 1])
             assert (result.token_ids[b, m + 1 :] == 0).all()
+
+
+def test_greedy_walk_is_the_rule_at_its_one_hot_limit() -> None:
+    """The host-side walk over flat verified rows (each request's root then its drafts, ragged)
+    emits what rejection sampling emits with one-hot p and q, whatever the uniforms."""
+    gen = seeded("greedy walk")
+    batch, vocab = 256, 6
+    target_tok = torch.randint(0, vocab, (batch, G + 1), generator=gen)
+    same = torch.rand(batch, G, generator=gen) < 0.7
+    other = (target_tok[:, :G] + torch.randint(1, vocab, (batch, G), generator=gen)) % vocab
+    drafts = torch.where(same, target_tok[:, :G], other)
+    num_draft = torch.randint(0, G + 1, (batch,), generator=gen)
+    p = torch.nn.functional.one_hot(target_tok, vocab).float()
+    q = torch.nn.functional.one_hot(drafts, vocab).float()
+    u = torch.rand(batch, G + 1, generator=gen)
+    result = rejection_sample(drafts, num_draft, q, p, u[:, :G], u[:, G])
+    counts = num_draft.tolist()
+    rows = [target_tok[b, : n + 1].tolist() for b, n in enumerate(counts)]
+    first = [sum(n + 1 for n in counts[:b]) for b in range(batch)]
+    flat = [t for row in rows for t in row]
+    emitted, accepted = greedy_walk(drafts.tolist(), counts, flat, first)
+    assert accepted == result.num_accepted.tolist()
+    assert emitted == [result.token_ids[b, : a + 1].tolist() for b, a in enumerate(accepted)]
+    assert 0 < sum(accepted) < sum(counts)  # both outcomes occur
 
 
 def test_ragged_rows_ignore_padding_and_match_single_row_calls() -> None:

@@ -147,21 +147,20 @@ def rejection_sample_reference(
     )
 
 
-def greedy_verify(
-    draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_token_ids: torch.Tensor
-) -> RejectionResult:
-    """The rule above when every p and q is one-hot (greedy): a draft is accepted while it
-    equals the target's argmax, and the extra token is the target's argmax at the first
-    mismatch (or the bonus position). ``target_token_ids``: int64 [B, G+1], the argmax at each
-    verified position; entries past ``num_draft[b]`` are ignored."""
-    gamma = draft_token_ids.shape[1]
-    positions = torch.arange(gamma, device=draft_token_ids.device).unsqueeze(0)
-    accepted = (positions < num_draft.unsqueeze(1)) & (
-        draft_token_ids == target_token_ids[:, :gamma]
-    )
-    num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
-    keep = torch.arange(gamma + 1, device=draft_token_ids.device).unsqueeze(0)
-    token_ids = torch.where(keep <= num_accepted.unsqueeze(1), target_token_ids, 0)
-    return RejectionResult(
-        token_ids=token_ids, num_accepted=num_accepted, num_emitted=num_accepted + 1
-    )
+def greedy_walk(
+    drafts: list[list[int]], counts: list[int], argmax: list[int], first: list[int]
+) -> tuple[list[list[int]], list[int]]:
+    """The rule above when every p and q is one-hot (greedy), on host lists: request b's
+    drafts are accepted while each equals the target's argmax at the row before it, and it
+    emits them and the argmax at the first mismatch (or at the bonus row). ``argmax``: one per
+    verified row; ``first[b]``: the row of b's root; ``drafts[b][:counts[b]]`` its drafts.
+    Returns (emitted, accepted) per request."""
+    emitted: list[list[int]] = []
+    accepted: list[int] = []
+    for toks, n, f in zip(drafts, counts, first, strict=True):
+        a = 0
+        while a < n and toks[a] == argmax[f + a]:
+            a += 1
+        emitted.append(argmax[f : f + a + 1])
+        accepted.append(a)
+    return emitted, accepted

@@ -93,6 +93,7 @@ class RoundLayout:
         input_ids = np.zeros(total, dtype=np.int64)
         input_ids[~is_node] = list(itertools.chain.from_iterable(
             r.target_token_ids for r in requests))  # fmt: skip
+        on_host = proposal.tokens.device.type == "cpu"  # else placed on the device below
 
         # sampling requests: their verified rows (root, then nodes) and the nodes' rows
         sample_seq = np.array([i for i, r in enumerate(requests) if r.sample], dtype=np.int64)
@@ -110,6 +111,11 @@ class RoundLayout:
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         slots = table[seq, keys // block_size] * block_size + keys % block_size
+        drafts = node > 0
+        width = proposal.tokens.shape[1]
+        flat = row_request[drafts] * width + node[drafts] - 1  # each node's draft token
+        if on_host and flat.size:
+            input_ids[verified_rows[drafts]] = proposal.tokens.numpy().reshape(-1)[flat]
         seq_lens = starts + q_lens
 
         def dev(a: np.ndarray) -> torch.Tensor:
@@ -132,12 +138,10 @@ class RoundLayout:
             row_request=dev(row_request),
             proposal=proposal,
         )
-        if any(counts):
-            drafts = node > 0
+        if any(counts) and (not on_host or proposal.parents is not None):
             node_rows = dev(verified_rows[drafts])
-            width = proposal.tokens.shape[1]
-            flat = dev(row_request[drafts] * width + node[drafts] - 1)
-            ids_t[node_rows] = proposal.tokens.reshape(-1)[flat]
+            if not on_host:
+                ids_t[node_rows] = proposal.tokens.reshape(-1)[dev(flat)]
             if proposal.parents is not None:
                 # a tree: a node sits at its root's position plus its depth, sees the keys
                 # before its root and its ancestors; every other sequence, a prompt chunk in

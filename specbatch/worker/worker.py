@@ -41,7 +41,7 @@ from specbatch.worker.logprobs import emitted_logprobs, position_logprobs
 from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.penalties import History, Penalties
 from specbatch.worker.proposer import DraftRound, Proposal, RoundOutcome, TargetPass
-from specbatch.worker.rejection_sampler import greedy_verify, rejection_sample
+from specbatch.worker.rejection_sampler import greedy_walk, rejection_sample
 from specbatch.worker.round_layout import RoundLayout
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
 from specbatch.worker.tree_verify import verify_tree
@@ -301,6 +301,12 @@ class Worker:
         u: torch.Tensor,
     ) -> _Verdict:
         """Accept a path of each request's drafts and one more token."""
+        if p.dim() == 1 and not proposal.is_tree:  # greedy chains: a walk over host lists
+            drafts = proposal.tokens.tolist()
+            emitted, accepted = greedy_walk(
+                drafts, proposal.counts, p.tolist(), layout.first_verified
+            )
+            return _Verdict(emitted, accepted, [list(range(1, a + 1)) for a in accepted], None)
         counts = torch.tensor(proposal.counts, dtype=torch.int64, device=self.device)
         first = torch.tensor(layout.first_verified, dtype=torch.int64, device=self.device)
         if proposal.is_tree:
@@ -333,19 +339,14 @@ class Worker:
         else:
             k = torch.arange(width + 1, device=self.device)[None, :]
             p_rows = p[first[:, None] + torch.minimum(k, counts[:, None])]
-        if p.dim() == 1:
-            out = greedy_verify(proposal.tokens, counts, p_rows)
+        # the final draw follows the granted drafts' (a lookup may propose fewer)
+        granted = [s.depth if s.nodes else 0 for s in step.shapes]
+        if all(g == granted[0] for g in granted):
+            final = u[:, granted[0]]
         else:
-            # the final draw follows the granted drafts' (a lookup may propose fewer)
-            granted = [s.depth if s.nodes else 0 for s in step.shapes]
-            if all(g == granted[0] for g in granted):
-                final = u[:, granted[0]]
-            else:
-                at = torch.tensor(granted, dtype=torch.int64, device=self.device)
-                final = u.gather(1, at[:, None])[:, 0]
-            out = rejection_sample(
-                proposal.tokens, counts, proposal.probs, p_rows, u[:, :width], final
-            )
+            at = torch.tensor(granted, dtype=torch.int64, device=self.device)
+            final = u.gather(1, at[:, None])[:, 0]
+        out = rejection_sample(proposal.tokens, counts, proposal.probs, p_rows, u[:, :width], final)
         host = torch.cat([out.num_accepted.unsqueeze(1), out.token_ids], dim=1).tolist()
         return _Verdict(
             [row[1 : row[0] + 2] for row in host],
