@@ -70,8 +70,12 @@ def best_rates(
         gflop = 2.0 * n * k * rows * count / 1e9
         rates = {"torch": gflop / _seconds(torch.nn.functional.linear, x, ws, repeat, clock)}
         if torch.backends.mkldnn.is_available():
-            reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
-            rates["onednn"] = gflop / _seconds(_onednn_linear, x, reordered, repeat, clock)
+            try:
+                reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
+            except RuntimeError:  # oneDNN has no path for this dtype on this CPU
+                reordered = []
+            if reordered:
+                rates["onednn"] = gflop / _seconds(_onednn_linear, x, reordered, repeat, clock)
             del reordered
         if kernels is not None and kernels.supports_linear(dtype):
             packed = [kernels.pack_linear(w) for w in ws]
