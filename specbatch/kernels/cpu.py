@@ -50,6 +50,7 @@ class CpuKernels:
         self.tree_rows = int(info["tree"])  # attention's tree masks cover sequences this long
         self.amx_available = bool(info["amx"])
         self.layer_fields = int(info["layer_fields"])  # csrc/layer.c's descriptor length
+        self.stack_fields = int(info["stack_fields"])  # and its stack table's, per layer
         self.use_amx(_env_on("SPECBATCH_CPU_AMX"))
 
     def use_amx(self, on: bool) -> bool:

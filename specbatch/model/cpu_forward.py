@@ -6,9 +6,11 @@ the kernels take at small batches: a module call, a tensor allocation and a few 
 lookups per op, a dozen ops per layer. A plan resolves every weight's address, shape and flag
 once, when the kernels are switched on: a layer's attention and MLP are then one kernel call
 (``csrc/layer.c``) reading the layer's weights from a descriptor of their addresses (written
-again by ``refresh`` after weights are re-pointed, as engines sharing one copy do), and a
-head's pass one more. They run the module path's kernels in the same order on the same values,
-so the outputs and the K/V written are bit for bit the module path's.
+again by ``refresh`` after weights are re-pointed, as engines sharing one copy do), the
+target's layers with their norms one call for the whole stack (or one per stretch between the
+residual streams a drafter reads), and a head's pass one more. They run the module path's
+kernels in the same order on the same values, so the outputs and the K/V written are bit for
+bit the module path's.
 
 A plan is built only where every op has a kernel: one rank (no all-reduce inside the stack),
 packed weights, the CPU attention backend.
@@ -125,6 +127,7 @@ class _FlatLayers:
         self.scale = float(attn.scale)
         self.rotary = attn.rotary
         self.layer_fields = kernels.layer_fields
+        self.stack_fields = kernels.stack_fields
 
     def new(self, rows: int, cols: int) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=self.dtype)
@@ -134,23 +137,6 @@ class _FlatLayers:
         """RMSNorm of the rows of ``x`` (of ``x + residual``, stored into ``residual``)."""
         self.m.rms_norm(t, x.shape[1], x.data_ptr(), x.stride(0), _ptr(residual),
                         weight.data_ptr(), self.eps, out.data_ptr(), self.bf16)  # fmt: skip
-
-    def core(
-        self,
-        t: int,
-        desc: _Descriptor,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        y: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        step: _StepArgs,
-    ) -> None:
-        """One kernel call for the layer of ``desc``: ``residual += attention(x)`` (x normed,
-        contiguous), then ``y = mlp(post_norm(residual))``."""
-        self.m.layer_core(
-            desc.fields.data_ptr(), t, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
-            *step.around(cache),
-        )  # fmt: skip
 
     def step_args(self, positions: torch.Tensor, meta: AttentionMetadata) -> _StepArgs:
         """What every layer.c call of one forward passes alike."""
@@ -188,6 +174,23 @@ class CpuDecoderPlan(_FlatLayers):
     def refresh(self) -> None:
         """Re-read the weights' addresses (after they were re-pointed)."""
         self.descs = [lay.descriptor(self) for lay in self.layers]
+        self._table: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def stack_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """csrc/layer.c's table of the stack over these caches (per layer: its descriptor,
+        input norm, K and V caches, kv heads and block size), kept while their addresses
+        stay."""
+        key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if self._table is None or self._table[0] != key:
+            rows = []
+            for lay, desc, (k, v) in zip(self.layers, self.descs, kv_caches, strict=True):
+                assert lay.in_norm is not None
+                rows.append([desc.fields.data_ptr(), lay.in_norm.data_ptr(), k.data_ptr(),
+                             v.data_ptr(), k.shape[1], k.shape[3]])  # fmt: skip
+            table = torch.tensor(rows, dtype=torch.int64)
+            assert table.shape[1] == self.stack_fields
+            self._table = (key, table)
+        return self._table[1]
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels) -> CpuDecoderPlan | None:
@@ -217,16 +220,15 @@ class CpuDecoderPlan(_FlatLayers):
         normed, x = self.new(t, hidden), self.new(t, hidden)
         seen: dict[int, torch.Tensor] = {0: h.clone()} if 0 in streams else {}
         residual, step = h, self.step_args(positions, meta)
-        layers = zip(self.layers, self.descs, kv_caches, strict=True)
-        for i, (lay, desc, cache) in enumerate(layers):
-            assert lay.in_norm is not None
-            if i == 0:
-                self.norm(t, h, lay.in_norm, normed)
-            else:
-                self.norm(t, x, lay.in_norm, normed, residual)
-            self.core(t, desc, normed, residual, x, cache, step)
-            if i + 1 in streams:
-                seen[i + 1] = x + residual
+        table = self.stack_table(kv_caches).data_ptr()
+        n = len(self.layers)
+        lo = 0
+        for hi in sorted({i for i in streams if 0 < i < n} | {n}):  # one call to each stream
+            self.m.decoder_layers(table, lo, hi, t, hidden, x.data_ptr(), residual.data_ptr(),
+                                  normed.data_ptr(), *step.head, *step.tail)  # fmt: skip
+            if hi in streams:
+                seen[hi] = x + residual
+            lo = hi
         final = self.new(t, hidden)
         self.norm(t, x, self.final_norm, final, residual)
         return final, [seen[i] for i in streams]

@@ -69,6 +69,15 @@ int sb_layer_core(const int64_t* desc, int t, const void* x, void* residual, voi
                   const int64_t* seq_lens, const int64_t* block_tables, long bt_stride,
                   const uint64_t* tree, const int64_t* tree_starts, float eps, float scale,
                   int bf16);
+/* layer.c: layers lo .. hi - 1 of a decoder stack, each its input norm and sb_layer_core
+ * (layers: sb_stack_fields() int64s per layer, layer.c's STACK_*) */
+int sb_stack_fields(void);
+int sb_decoder_layers(const int64_t* layers, int lo, int hi, int t, int h, void* x,
+                      void* residual, void* normed, const int64_t* positions,
+                      const int64_t* slots, int num_seqs, const int64_t* qsl,
+                      const int64_t* seq_lens, const int64_t* block_tables, long bt_stride,
+                      const uint64_t* tree, const int64_t* tree_starts, float eps, float scale,
+                      int bf16);
 /* An EAGLE-3 head's pass: x = [norm(embedded); norm(features)], the layer (sb_layer_core)
  * with the features as its residual, pre = residual + mlp (the next pass's feature), into
  * normed_out (unless NULL) norm(pre), into logits (unless NULL) float32 lm_head(norm(pre)) */

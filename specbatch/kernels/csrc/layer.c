@@ -96,6 +96,38 @@ int sb_layer_core(const int64_t* desc, int t, const void* x, void* residual, voi
     return 0;
 }
 
+/* Layers lo .. hi - 1 of a decoder stack, each its input norm and then sb_layer_core: layer 0's
+ * norm reads the residual stream alone, a later layer's adds x (the MLP's output before it)
+ * into the stream first. layers: per layer, LAYER_STACK_FIELDS int64s (its descriptor's,
+ * input norm's and K and V caches' addresses, the caches' kv heads and block size); x, residual
+ * and normed: [t, h] buffers. The same calls, in the same order, as a layer at a time. */
+enum { STACK_DESC, STACK_IN_NORM, STACK_K, STACK_V, STACK_KV_HEADS, STACK_BLOCK, STACK_FIELDS };
+
+int sb_stack_fields(void) { return STACK_FIELDS; }
+
+int sb_decoder_layers(const int64_t* layers, int lo, int hi, int t, int h, void* x,
+                      void* residual, void* normed, const int64_t* positions,
+                      const int64_t* slots, int num_seqs, const int64_t* qsl,
+                      const int64_t* seq_lens, const int64_t* block_tables, long bt_stride,
+                      const uint64_t* tree, const int64_t* tree_starts, float eps, float scale,
+                      int bf16) {
+    for (int i = lo; i < hi; i++) {
+        const int64_t* f = layers + (long)i * STACK_FIELDS;
+        const void* w = (const void*)(intptr_t)f[STACK_IN_NORM];
+        if (i == 0)
+            sb_rms_norm(t, h, residual, h, NULL, w, eps, normed, bf16);
+        else
+            sb_rms_norm(t, h, x, h, residual, w, eps, normed, bf16);
+        int rc = sb_layer_core((const int64_t*)(intptr_t)f[STACK_DESC], t, normed, residual, x,
+                               positions, slots, (void*)(intptr_t)f[STACK_K],
+                               (void*)(intptr_t)f[STACK_V], (int)f[STACK_KV_HEADS],
+                               (int)f[STACK_BLOCK], num_seqs, qsl, seq_lens, block_tables,
+                               bt_stride, tree, tree_starts, eps, scale, bf16);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
 /* a += b, rows of n contiguous elements, rounded to the dtype */
 static void add_rows(int t, int n, void* a, const void* b, int bf16) {
     const size_t esz = bf16 ? 2 : 4;

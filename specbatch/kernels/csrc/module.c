@@ -71,14 +71,14 @@ WRAP(rejection_sample, "iiipppiipiippppp",
      sb_rejection_sample(I(0), I(1), I(2), P(3), P(4), P(5), L(6), L(7), P(8), L(9), L(10), P(11),
                          P(12), P(13), P(14), P(15)))
 
-static PyObject* py_layer_core(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+static PyObject* py_decoder_layers(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     (void)self;
     arg_t a[24];
-    if (parse(args, n, "pipppppppiiipppippffi", a) < 0) return NULL;
+    if (parse(args, n, "piiiipppppippipppffi", a) < 0) return NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = sb_layer_core(
-        P(0), I(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8), I(9), I(10), I(11), P(12), P(13),
-        P(14), L(15), P(16), P(17), F(18), F(19), I(20));
+    Py_BEGIN_ALLOW_THREADS rc = sb_decoder_layers(
+        P(0), I(1), I(2), I(3), I(4), P(5), P(6), P(7), P(8), P(9), I(10), P(11), P(12), P(13),
+        L(14), P(15), P(16), F(17), F(18), I(19));
     Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -115,16 +115,17 @@ static PyObject* py_eagle3_round(PyObject* self, PyObject* const* args, Py_ssize
 static PyObject* py_info(PyObject* self, PyObject* unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i}", "bf16_dot", sb_has_bf16_dot(), "amx",
                          sb_amx_available(), "max_head_dim", sb_attention_max_head_dim(), "tree",
-                         sb_attention_tree_rows(), "layer_fields", sb_layer_fields());
+                         sb_attention_tree_rows(), "layer_fields", sb_layer_fields(),
+                         "stack_fields", sb_stack_fields());
 }
 
 #define FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
     FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
-    FAST(rejection_sample), FAST(layer_core), FAST(eagle3_pass), FAST(eagle3_round),
+    FAST(rejection_sample), FAST(decoder_layers), FAST(eagle3_pass), FAST(eagle3_round),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
