@@ -9,6 +9,8 @@ from specbatch.grammar.backend import CompiledGrammarRef
 from specbatch.request import PositionLogprobs
 from specbatch.sampling_params import SamplingParams
 
+NO_DRAFTS = DraftShape()
+
 
 @dataclass
 class NewRequestData:
@@ -47,7 +49,9 @@ class ScheduledRequest:
 
     @property
     def shape(self) -> DraftShape:
-        return self.draft_shape or DraftShape.chain(self.num_draft)
+        if self.draft_shape is not None:
+            return self.draft_shape
+        return DraftShape.chain(self.num_draft) if self.num_draft else NO_DRAFTS
 
 
 @dataclass

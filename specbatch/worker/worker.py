@@ -142,8 +142,14 @@ class Worker:
         t0 = time.perf_counter()
         step = DraftRound(reqs, sampling, shapes, params, draft_u, greedy, penalties, grammars)
         proposal = step.empty_proposal(self.device)
-        if self.drafter is not None:
-            proposal = self.drafter.propose(step)
+        # a step whose every request has its drafter off (asleep) asks the drafter for
+        # nothing: it has nothing to catch up on or draft, and only forgets what it kept
+        drafter = self.drafter
+        if drafter is not None and all(r.drafter_off for r in reqs):
+            drafter.observe(step, RoundOutcome([], [], [[] for _ in reqs], None))
+            drafter = None
+        if drafter is not None:
+            proposal = drafter.propose(step)
         if grammars is not None:
             proposal = grammars.cut(proposal)
         t1 = time.perf_counter()
@@ -155,10 +161,10 @@ class Worker:
         t2 = time.perf_counter()
         passes = [*step.passes, ("target", int(layout.inputs.input_ids.shape[0]), t2 - t_pass)]
         if not sampling:
-            if self.drafter is not None:
+            if drafter is not None:
                 rows = [list(range(s, s + len(r.target_token_ids)))
                         for r, s in zip(reqs, layout.row_starts, strict=True)]  # fmt: skip
-                self.drafter.observe(step, RoundOutcome([], [], rows, target_pass))
+                drafter.observe(step, RoundOutcome([], [], rows, target_pass))
             timings = {"draft": t1 - t0, "target": t2 - t1, "sample": 0.0}
             return StepResult(timings=timings, prompt_logprobs=prompt_logprobs, passes=passes)
         if grammars is not None:
@@ -178,8 +184,8 @@ class Worker:
         for history, toks in zip(histories, verdict.emitted, strict=True):
             if history is not None:
                 history.append(toks)
-        if self.drafter is not None:
-            self.drafter.observe(step, self._outcome(reqs, sampling, layout, verdict, target_pass))
+        if drafter is not None:
+            drafter.observe(step, self._outcome(reqs, sampling, layout, verdict, target_pass))
         logprobs = {}
         if asking:
             assert st is not None
