@@ -8,7 +8,9 @@ each generating from the same prompts (windows of the standard library's sources
 of 16 prompts in alternating order so that the host's drift falls on all of them alike. Every
 decoding step of one request (no prompt in it) is timed; a step's row is the drafts it made.
 Prints, per engine, tokens/s against plain's and the median step of each draft count seen in
-at least 5% of its steps; writes JSON.
+at least 5% of its steps; then the share of each engine's time its prompts' steps took (the
+same work with or without drafts) and its tokens/s over the rest, the decoding steps; writes
+JSON.
 
     OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/round_cost.py [--draft-lengths 0 1 3 4] \
         [--chunks 8] [--max-tokens 32] [--temperature 1.0]
@@ -67,15 +69,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         result = execute(self, plan)
         current["worker"] = time.perf_counter() - t0
+        current["prompt"] = any(len(r.target_token_ids) > 1 for r in plan.requests)
         decoding = len(plan.requests) == 1 and len(plan.requests[0].target_token_ids) == 1
         current["result"] = result if decoding and result.results else None
         return result
 
     def timed_step(self: LLMEngine) -> Any:
-        current["result"] = None
+        current["result"], current["prompt"] = None, False
         t0 = time.perf_counter()
         out = step(self)
         seconds = time.perf_counter() - t0
+        if current["prompt"]:
+            prompt_seconds[current["k"]] += seconds
         result = current["result"]
         if result is not None:
             (r,) = result.results.values()
@@ -84,6 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tokens = dict.fromkeys(engines, 0)
     elapsed = dict.fromkeys(engines, 0.0)
+    prompt_seconds = dict.fromkeys(engines, 0.0)  # steps that carried a prompt
     Worker.execute, LLMEngine.step = timed_execute, timed_step
     try:
         for c in range(args.chunks):
@@ -109,7 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for drafts, rows in sorted(steps[k].items())
             if len(rows) >= 0.05 * total
         }
-        cells.append({"k": k, "tokens": tokens[k], "seconds": elapsed[k], "rounds": rounds})
+        cells.append({"k": k, "tokens": tokens[k], "seconds": elapsed[k],
+                      "prompt_seconds": prompt_seconds[k], "rounds": rounds})  # fmt: skip
     return {"cells": cells}
 
 
@@ -141,6 +148,16 @@ def main() -> None:
     headers = ["k", "tokens/s", "x plain", "drafts", "steps", "step ms", *PARTS]
     print("batch 1, one request at a time: median ms of a decoding step by the drafts it made")
     print(format_table(headers, table))
+    decode_base = plain["tokens"] / (plain["seconds"] - plain["prompt_seconds"])
+    shares = []
+    for c in got["cells"]:
+        decode_rate = c["tokens"] / (c["seconds"] - c["prompt_seconds"])
+        shares.append([
+            c["k"], f"{c['prompt_seconds'] / c['seconds']:.1%}", f"{decode_rate:.0f}",
+            f"{decode_rate / decode_base:.3f}",
+        ])  # fmt: skip
+    print("\nthe prompts' steps: share of the time, and tokens/s over the other steps")
+    print(format_table(["k", "prompt steps", "tokens/s without them", "x plain"], shares))
     out = write_json(args.out, {"machine": machine_info(), "args": vars(args), **got})
     print(f"wrote {out}")
 
