@@ -123,6 +123,30 @@ def test_row_costs_follow_the_machine_and_keep_their_contrasts():
     assert costs.seconds(32) / costs.seconds(1) == pytest.approx(3.0, rel=0.05)
 
 
+def test_a_row_count_first_timed_cheap_is_corrected_among_others():
+    """24 rows first timed as one request's prompt chunk (0.02 s), then as 8 requests'
+    verified drafts (0.03 s) between passes over 8 rows (0.012 s), some of each interrupted
+    (three times as long): within 25 of its passes the 24 rows cost 2.5x the 8, and stay so."""
+    costs = RowCosts()
+    costs.observe(1, 1.0)  # a first call: left out
+    for i in range(300):
+        costs.observe(4, 0.010)
+        if i % 50 == 0:
+            costs.observe(24, 0.020)
+    assert costs.seconds(24) / costs.seconds(4) == pytest.approx(2.0, rel=0.05)
+
+    def jitter(i: int) -> float:
+        return (1.0 + 0.04 * (i % 3)) * (3.0 if i % 37 == 0 else 1.0)
+
+    ratios = []
+    for i in range(1, 1001):
+        costs.observe(8, 0.012 * jitter(i))
+        if i % 4 == 0:
+            costs.observe(24, 0.030 * jitter(i + 1))
+            ratios.append(costs.seconds(24) / costs.seconds(8))
+    assert ratios[25:] == pytest.approx([2.5] * len(ratios[25:]), rel=0.1)
+
+
 # ---- expectations -------------------------------------------------------------------------------
 def test_chain_tokens_is_theorys_formula():
     for a, k in ((0.5, 3), (0.8, 1), (0.0, 4)):
