@@ -31,8 +31,8 @@ class DraftModelProposer(Drafter):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
 
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        self.runner.move_kv(src, dst)
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.runner.copy_blocks(src, dst)
 
     def propose(self, step: DraftRound) -> Proposal:
         catch = catch_up(step, self.config.block_size, self.device)

@@ -32,7 +32,7 @@ from specbatch.worker.draft_loop import (
     padded_tables,
     placed,
 )
-from specbatch.worker.model_runner import ForwardInputs, ModelRunner, move_slots
+from specbatch.worker.model_runner import ForwardInputs, ModelRunner, copy_blocks
 from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
 
 
@@ -77,8 +77,8 @@ class EagleProposer(Drafter):
             num_blocks, self.config.block_size, self.device
         )
 
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        move_slots(self.backend, self.kv_caches, src, dst, self.device)
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        copy_blocks(self.kv_caches, src, dst, self.device)
 
     def finish_request(self, request_id: str) -> None:
         self.pending.pop(request_id, None)

@@ -101,6 +101,10 @@ class ModelRunner:
         """Copy the K/V of slots ``src`` into slots ``dst`` in every layer."""
         move_slots(self.backend, self.kv_caches, src, dst, self.device)
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy on write: the K/V of whole blocks ``src`` into blocks ``dst`` in every layer."""
+        copy_blocks(self.kv_caches, src, dst, self.device)
+
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """Run the model; return float32 logits of the rows ``logits_rows`` (of the T tokens)."""
@@ -125,6 +129,24 @@ class ModelRunner:
         if logits_rows is None:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32), features
         return self.model.compute_logits(hidden.index_select(0, logits_rows)), features
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    src: list[int],
+    dst: list[int],
+    device: torch.device,
+) -> None:
+    """Copy blocks ``src`` into blocks ``dst`` in every layer's cache: every backend's caches
+    are indexed by block first, whatever their layout within a block (all sources are read
+    before any copy is written)."""
+    if not kv_caches or not src:
+        return
+    s = torch.tensor(src, dtype=torch.int64, device=device)
+    d = torch.tensor(dst, dtype=torch.int64, device=device)
+    for caches in kv_caches:
+        for cache in caches:
+            cache.index_copy_(0, d, cache.index_select(0, s))
 
 
 def move_slots(

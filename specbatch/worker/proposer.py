@@ -140,8 +140,8 @@ class Drafter:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy the K/V of slots ``src`` into slots ``dst`` in the drafter's cache, if any."""
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of blocks ``src`` into blocks ``dst`` in the drafter's cache, if any."""
 
     def add_request(self, new: NewRequestData) -> None:
         pass

@@ -242,12 +242,10 @@ class Worker:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy on write: every model's K/V of each source block into its copy (all sources
         are read before any copy is written)."""
-        bs = self.config.block_size
-        src = [s * bs + i for s, _ in pairs for i in range(bs)]
-        dst = [d * bs + i for _, d in pairs for i in range(bs)]
-        self.target.move_kv(src, dst)
+        src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+        self.target.copy_blocks(src, dst)
         if self.drafter is not None:
-            self.drafter.copy_slots(src, dst)
+            self.drafter.copy_blocks(src, dst)
 
     def _draw_uniforms(
         self, sampling: list[ScheduledRequest], shapes: list[DraftShape]
