@@ -278,6 +278,21 @@ def test_a_prompt_carrying_step_is_priced_at_its_margin():
     assert all(s.nodes for s in ctl.draft_shapes(reqs, prompt_rows=2000))
 
 
+def test_a_request_drafting_beside_plain_ones_is_priced_by_the_whole_step():
+    """Requests decoding without a drafter (those of a drafter that slept) each bring a token
+    for their row whatever the plan: where a row costs a fifth of a step's fixed part, one
+    request drafts alone, but not beside seven decoding plainly, whose tokens its rows slow."""
+
+    def fixed_and_rows(rows: int) -> float:
+        return 0.002 + 0.0005 * rows
+
+    ctl = accepting(priced(ladder(4, 1, 4), target=fixed_and_rows), 0.7)
+    req = [make_request("a")]
+    assert ctl.draft_shapes(req)[0].nodes
+    ctl._choice = ctl._standing = None
+    assert ctl.draft_shapes(req, plain=7)[0].nodes == 0
+
+
 def test_drafts_that_pay_only_beside_prompts_are_not_made():
     """Where rows cost in proportion up to 64 and next to nothing beyond, drafts beside 2,000
     prompt rows cost nearly nothing at the step's margin, but the drafter's catch-up they start

@@ -375,7 +375,7 @@ class NoDrafts:
 
     shape = DraftShape.chain(3)
 
-    def draft_shapes(self, requests, prompt_rows=0):
+    def draft_shapes(self, requests, prompt_rows=0, plain=0):
         return [DraftShape()] * len(requests)
 
     def observe(self, plan, result, seconds):

@@ -110,7 +110,7 @@ class PerRequestGamma(FixedDraft):
     def __init__(self) -> None:
         super().__init__(5)
 
-    def draft_shapes(self, requests, prompt_rows=0):
+    def draft_shapes(self, requests, prompt_rows=0, plain=0):
         return [DraftShape.chain((0, 2, 5)[int(r.request_id) % 3]) for r in requests]
 
 

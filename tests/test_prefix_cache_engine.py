@@ -97,7 +97,9 @@ class DraftsNow(FixedDraft):
         super().__init__(shape)
         self.steps = 0
 
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         self.steps += 1
         return [self.shape if self.steps % 3 == 0 else DraftShape()] * len(requests)
 

@@ -264,7 +264,9 @@ class Switch(FixedDraft):
         super().__init__(2)
         self.on = False
 
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         return [self.shape if self.on else DraftShape()] * len(requests)
 
 

@@ -311,7 +311,7 @@ class DraftsWhenFew:
     def __init__(self) -> None:
         self.calls = 0
 
-    def draft_shapes(self, requests, prompt_rows=0):
+    def draft_shapes(self, requests, prompt_rows=0, plain=0):
         self.calls += 1
         return [self.shape if len(requests) < 4 else DraftShape()] * len(requests)
 
@@ -322,7 +322,7 @@ class DraftsWhenFew:
 class NoDrafts(DraftsWhenFew):
     """A policy that never wants drafts."""
 
-    def draft_shapes(self, requests, prompt_rows=0):
+    def draft_shapes(self, requests, prompt_rows=0, plain=0):
         self.calls += 1
         return [DraftShape()] * len(requests)
 

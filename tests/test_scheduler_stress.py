@@ -29,7 +29,9 @@ class Sometimes(FixedDraft):
         super().__init__(shape)
         self.rng = rng
 
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         if self.rng.random() < 0.3:
             return [DraftShape()] * len(requests)
         return [self.shape if self.rng.random() < 0.7 else DraftShape() for _ in requests]

@@ -44,7 +44,9 @@ class _Alternating:
         self.sampled = [0, 0]  # steps that sampled without drafts, with drafts
         self._drafts = False
 
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         self._drafts = not self._drafts
         return [self.shape if self._drafts else DraftShape()] * len(requests)
 

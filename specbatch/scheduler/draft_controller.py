@@ -30,7 +30,10 @@ The choice. The plan of most tokens a second in the step's decoding: the plan of
 drafts and without prompts, then what the plan chosen makes, until it stops rising
 (Dinkelbach's iteration). So drafting stops where verifying rows or drafting passes cost more
 than the tokens they bring, a chain stops where a deeper draft's tokens come slower than the
-chain's own, and a step that carries prompts is priced at its margin. Each sampling class gets
+chain's own, and a step that carries prompts is priced at its margin. Requests of the step
+decoding without a drafter (admitted while it slept) are part of its decoding: a row and a
+token each whatever the plan, so drafts for the others are weighed against every token the
+step makes. Each sampling class gets
 its own shape (two sweeps of choosing one class's shape with the others fixed), all drafting
 classes of a step with the same children per node.
 """
@@ -95,6 +98,7 @@ class _Step:
     rates: dict[SamplingClass, Rates]
     behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
     prompt_rows: int
+    plain: int  # requests decoding without a drafter: a row and a token each, whatever the plan
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
     def near(self, other: _Step) -> bool:
@@ -103,10 +107,11 @@ class _Step:
         rows a request within a factor of four (one more or fewer draft accepted last round
         moves them; a request arriving with its whole prompt to catch up on does not stay
         near)."""
-        if (self.counts, self.rooms, self.prompt_rows) != (
+        if (self.counts, self.rooms, self.prompt_rows, self.plain) != (
             other.counts,
             other.rooms,
             other.prompt_rows,
+            other.plain,
         ):
             return False
         for c, n in self.counts.items():
@@ -155,8 +160,11 @@ class DraftController:
         self._class_of: dict[str, SamplingClass] = {}
         self._steps: defaultdict[int, int] = defaultdict(int)
         self._choice: _Choice | None = None
-        # the requests and prompt rows the standing choice was last handed out for, its shapes
-        self._standing: tuple[list[Request], int, list[DraftShape], _Choice] | None = None
+        # the requests, prompt rows and plain requests the standing choice was last handed out
+        # for, and its shapes
+        self._standing: tuple[list[Request], tuple[int, int], list[DraftShape], _Choice] | None = (
+            None
+        )
         self._untimed = 0  # steps served from ``_standing`` since one was timed
         self._served = False  # whether the last call was served from ``_standing``
         self._idle = 0  # steps since a plan last drafted (the probes' loss is paid from it)
@@ -228,21 +236,23 @@ class DraftController:
         return t + rest
 
     # ---- the choice ----------------------------------------------------------------------
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         """Each request's shape. The seconds this call takes are left out of the step's
         seconds ``observe`` prices: a priced step (every probe is one) would otherwise charge
         the pricing to the plan it ran, and no drafts, run only by probes, would look dearer
         than they are."""
         start = time.perf_counter()
         try:
-            return self._shapes(requests, prompt_rows)
+            return self._shapes(requests, prompt_rows, plain)
         finally:
             self._pricing += time.perf_counter() - start
 
-    def _shapes(self, requests: list[Request], prompt_rows: int) -> list[DraftShape]:
+    def _shapes(self, requests: list[Request], prompt_rows: int, plain: int) -> list[DraftShape]:
         if not requests:
             return []
-        shapes = self._as_before(requests, prompt_rows)
+        shapes = self._as_before(requests, prompt_rows, plain)
         self._served = shapes is not None
         if shapes is not None:
             return shapes
@@ -263,6 +273,7 @@ class DraftController:
             rates=rates,
             behind={c: self._catch_up(rs, rates[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
+            plain=plain,
         )
         n = len(requests)
         self._steps[n] += 1
@@ -279,10 +290,12 @@ class DraftController:
         plan = choice.plan
         self._idle = 0 if any(s.nodes for s in plan.values()) else self._idle + 1
         shapes = [plan[c] for c in classes]
-        self._standing = (list(requests), prompt_rows, shapes, choice)  # a probe's never stands
+        self._standing = (list(requests), (prompt_rows, plain), shapes, choice)  # not a probe's
         return shapes
 
-    def _as_before(self, requests: list[Request], prompt_rows: int) -> list[DraftShape] | None:
+    def _as_before(
+        self, requests: list[Request], prompt_rows: int, plain: int
+    ) -> list[DraftShape] | None:
         """The shapes handed out last, for the very same requests and prompt rows while the
         choice stands, each class's acceptance has stayed within ``ALPHA_SLACK`` and no probe
         is due: what pricing would mostly find again, at a fraction of its cost (pricing every
@@ -293,7 +306,7 @@ class DraftController:
         before, rows, shapes, choice = standing
         if choice is not self._choice or choice.steps_left <= 0:
             return None
-        if rows != prompt_rows or len(before) != len(requests):
+        if rows != (prompt_rows, plain) or len(before) != len(requests):
             return None
         if any(a is not b for a, b in zip(before, requests, strict=True)):
             return None
@@ -337,10 +350,13 @@ class DraftController:
         if got is None:
             counts = step.counts
             fitted = _fitted(counts, plan, step.rooms)
-            tokens = sum(n * self.tokens(c, step.rates[c], s) for c in counts for s, n in fitted[c])
+            tokens = step.plain + sum(
+                n * self.tokens(c, step.rates[c], s) for c in counts for s, n in fitted[c]
+            )
+            rows = step.prompt_rows + step.plain
             got = step.memo[key] = (
                 tokens,
-                self.seconds(counts, plan, step.prompt_rows, step.behind, step.rooms),
+                self.seconds(counts, plan, rows, step.behind, step.rooms),
             )
         return got
 
@@ -359,7 +375,8 @@ class DraftController:
         that merely beats no drafts would lower the rate."""
         bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
         decoding = bare or step
-        rate = sum(step.counts.values()) / (self.seconds(step.counts, none, 0) or 1.0)
+        decoding_tokens = sum(step.counts.values()) + step.plain
+        rate = decoding_tokens / (self.seconds(step.counts, none, step.plain) or 1.0)
         plan = none
         for _ in range(RATE_ROUNDS):
             trial = self._best(step, bare, rate, none)

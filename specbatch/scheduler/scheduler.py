@@ -244,12 +244,12 @@ class Scheduler:
             return {}
         self.lag.tick(len(self.running))
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
-        holes = sum(r.drafter_off for r in decoding)
+        plain = sum(r.drafter_off for r in decoding)
         decoding = [r for r in decoding if not r.drafter_off]
         if not decoding:
             return {}
         shapes: dict[str, DraftShape] = {}
-        wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget) + holes)
+        wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget), plain)
         self.lag.wanted(any(w.nodes for w in wants), len(decoding), self.running)
         for req, want in zip(decoding, wants, strict=True):
             room_len = self.limits.max_model_len - req.num_tokens

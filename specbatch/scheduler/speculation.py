@@ -14,9 +14,12 @@ class SpeculationPolicy(Protocol):
 
     shape: DraftShape  # the largest drafts it asks any request for
 
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         """The drafts each decoding request would like this step (none allowed), in a step
-        whose target pass also carries about ``prompt_rows`` rows of prompts."""
+        whose target pass also carries about ``prompt_rows`` rows of prompts and ``plain``
+        requests decoding without a drafter (a row and a token each)."""
         ...
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
@@ -31,7 +34,9 @@ class FixedDraft:
     def __init__(self, shape: DraftShape | int) -> None:
         self.shape = shape if isinstance(shape, DraftShape) else DraftShape.chain(shape)
 
-    def draft_shapes(self, requests: list[Request], prompt_rows: int = 0) -> list[DraftShape]:
+    def draft_shapes(
+        self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
+    ) -> list[DraftShape]:
         return [self.shape] * len(requests)
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
