@@ -282,9 +282,9 @@ def test_every_position_is_distributed_as_p_with_mixed_num_draft() -> None:
 # ---- deterministic behaviour -------------------------------------------------------------------
 
 
-def test_greedy_accepts_matching_prefix_and_emits_target_argmax() -> None:
-    gen = seeded("greedy")
-    batch, vocab = 512, 10
+def one_hot_case(gen: torch.Generator, batch: int, vocab: int):
+    """Greedy rounds: the target's tokens, drafts matching them 70% of the time, each request's
+    number of drafts, and the one-hot p and q of both."""
     target_tok = torch.randint(0, vocab, (batch, G + 1), generator=gen)
     same = torch.rand(batch, G, generator=gen) < 0.7
     other = (target_tok[:, :G] + torch.randint(1, vocab, (batch, G), generator=gen)) % vocab
@@ -292,6 +292,13 @@ def test_greedy_accepts_matching_prefix_and_emits_target_argmax() -> None:
     num_draft = torch.randint(0, G + 1, (batch,), generator=gen)
     p = torch.nn.functional.one_hot(target_tok, vocab).float()
     q = torch.nn.functional.one_hot(drafts, vocab).float()
+    return target_tok, drafts, num_draft, p, q
+
+
+def test_greedy_accepts_matching_prefix_and_emits_target_argmax() -> None:
+    gen = seeded("greedy")
+    batch, vocab = 512, 10
+    target_tok, drafts, num_draft, p, q = one_hot_case(gen, batch, vocab)
     last_below_one = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))
     for u in (0.0, 0.5, last_below_one, None):
         accept_u = torch.rand(batch, G, generator=gen) if u is None else torch.full((batch, G), u)
@@ -311,14 +318,8 @@ def test_greedy_walk_is_the_rule_at_its_one_hot_limit() -> None:
     """The host-side walk over flat verified rows (each request's root then its drafts, ragged)
     emits what rejection sampling emits with one-hot p and q, whatever the uniforms."""
     gen = seeded("greedy walk")
-    batch, vocab = 256, 6
-    target_tok = torch.randint(0, vocab, (batch, G + 1), generator=gen)
-    same = torch.rand(batch, G, generator=gen) < 0.7
-    other = (target_tok[:, :G] + torch.randint(1, vocab, (batch, G), generator=gen)) % vocab
-    drafts = torch.where(same, target_tok[:, :G], other)
-    num_draft = torch.randint(0, G + 1, (batch,), generator=gen)
-    p = torch.nn.functional.one_hot(target_tok, vocab).float()
-    q = torch.nn.functional.one_hot(drafts, vocab).float()
+    batch = 256
+    target_tok, drafts, num_draft, p, q = one_hot_case(gen, batch, 6)
     u = torch.rand(batch, G + 1, generator=gen)
     result = rejection_sample(drafts, num_draft, q, p, u[:, :G], u[:, G])
     counts = num_draft.tolist()
