@@ -375,8 +375,8 @@ class DraftController:
         that merely beats no drafts would lower the rate."""
         bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
         decoding = bare or step
-        decoding_tokens = sum(step.counts.values()) + step.plain
-        rate = decoding_tokens / (self.seconds(step.counts, none, step.plain) or 1.0)
+        tokens = sum(step.counts.values()) + step.plain
+        rate = tokens / (self.seconds(step.counts, none, step.plain) or 1.0)
         plan = none
         for _ in range(RATE_ROUNDS):
             trial = self._best(step, bare, rate, none)

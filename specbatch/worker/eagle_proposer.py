@@ -55,7 +55,6 @@ class EagleProposer(Drafter):
             block_size=config.block_size,
             head_dim=head_dim_of(head_config),
         )
-        self.backend = backend
         self.head = load_eagle_head(
             config.draft, TargetParts.of(target.model), backend, config.draft.dtype, device
         )
