@@ -18,17 +18,13 @@ previous pass's outputs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from specbatch.model.layers.attention import AttentionMetadata
+from specbatch.worker.draft_roots import DraftPass, Roots
 from specbatch.worker.model_runner import ForwardInputs
 from specbatch.worker.proposer import DraftRound
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
-
-if TYPE_CHECKING:
-    from specbatch.worker.draft_loop import DraftPass, Roots
 
 
 def beam_inputs(
@@ -208,8 +204,13 @@ class TreeGrower:
             prune = (beam_score[:, :, None] * (1.0 - before)).reshape(a, kb * k)
         else:
             prune = score
+        # never above its parent's (ties keep the parent first: it has the lower id), so the
+        # ``nodes`` best candidates always hold each kept node's parent; rounding alone can lift
+        # a last sibling's child above it, and a child of a dead node is dead
+        parent_prune = torch.cat([self.prune.new_ones(a, 1), self.prune], dim=1).gather(1, beam)
+        prune = torch.minimum(prune, parent_prune.repeat_interleave(k, dim=1))
         # a child of probability 0 was never drawn (its siblings had taken all of q's mass)
-        dead = ~live[:, None] | (kid_q.reshape(a, kb * k) <= 0)
+        dead = ~live[:, None] | (kid_q.reshape(a, kb * k) <= 0) | (prune < 0)
         self.token = torch.cat([self.token, kids], dim=1)
         self.parent = torch.cat([self.parent, beam.repeat_interleave(k, dim=1)], dim=1)
         self.depth = torch.cat([self.depth, torch.full_like(kids, d)], dim=1)
