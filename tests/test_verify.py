@@ -17,7 +17,7 @@ from specbatch.errors import InvalidInputError
 from specbatch.exactness import format_report, verify_exactness
 from specbatch.exactness_report import TARGET_TV, USEFUL_TV
 from specbatch.model.model_pair import default_model_path
-from specbatch.sequence_stats import samples_for
+from specbatch.sequence_stats import MAX_CELLS, samples_for
 from specbatch.testing.checkpoints import make_random_checkpoint
 from specbatch.worker import rejection_sampler
 
@@ -149,10 +149,47 @@ def test_cli_fails_on_the_builtin_pair_with_a_planted_bug(
     assert "FAIL (p-value" in out and "< alpha 0.001, at token" in out, out
 
 
+def _power(n: int, tv: float, positions: int, alpha: float) -> float:
+    """scipy's own power of one token's homogeneity test with ``n`` samples per side in at most
+    ``MAX_CELLS`` cells (dof: cells - 1), at alpha / positions, against a total-variation
+    difference ``tv``: two samples of n act like one of n / 2, noncentrality 4 (n / 2) tv^2."""
+    dof = MAX_CELLS - 1
+    return float(sps.ncx2.sf(sps.chi2.isf(alpha / positions, dof), dof, 2 * n * tv * tv))
+
+
+def _fewest_samples(tv: float, positions: int, alpha: float, probability: float = 0.9) -> int:
+    """The fewest samples per side whose ``_power`` reaches ``probability`` (bisection)."""
+    low, high = 1, 1
+    while _power(high, tv, positions, alpha) < probability:
+        high *= 2
+    while low < high:
+        mid = (low + high) // 2
+        if _power(mid, tv, positions, alpha) >= probability:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+@pytest.mark.parametrize(
+    ("tv", "positions", "alpha"), [(TARGET_TV, 5, 1e-3), (0.1, 5, 1e-3), (0.05, 2, 0.05)]
+)
+def test_sample_size_is_the_fewest_that_catch_the_difference(
+    tv: float, positions: int, alpha: float
+) -> None:
+    """Bounded on both sides: ``samples_for`` catches ``tv`` with probability 0.9 at every
+    position, and one sample fewer would not (asking too many is a bug too: counting the
+    degrees of freedom as the cells, not cells - 1, asks about 1.6% more)."""
+    n = samples_for(tv, positions, alpha)
+    assert _power(n, tv, positions, alpha) >= 0.9 - 1e-9
+    assert _power(n - 1, tv, positions, alpha) < 0.9
+    assert n == _fewest_samples(tv, positions, alpha)
+
+
 def test_cli_inconclusive_when_the_test_has_no_power(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--num-samples", "100", "--no-progress"]) == 1
     out = capsys.readouterr().out
-    needed = samples_for(TARGET_TV, 5, 1e-3)
+    needed = _fewest_samples(TARGET_TV, 5, 1e-3)  # computed here, not by the code under test
     assert "INCONCLUSIVE (p-value" in out and "PASS (" not in out, out
     assert f"use --num-samples {needed} (the default) to catch 0.05" in out
 
