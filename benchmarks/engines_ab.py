@@ -23,17 +23,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, format_table, machine_info, write_json
-from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
-from specbatch.bench.cells import pool_runs
-from specbatch.bench.offline import (
+from specbatch.bench.bench_config import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
     DEFAULT_OUTPUT_LEN_SPREAD,
-    WARMUP_REQUESTS,
-    WARMUP_TOKENS,
     default_num_requests,
-    share_weights,
 )
+from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
+from specbatch.bench.cells import pool_runs
+from specbatch.bench.engines import share_weights
+from specbatch.bench.offline import WARMUP_REQUESTS, WARMUP_TOKENS
 from specbatch.bench.workload import build_workload, spread_output_lengths
 from specbatch.config import EngineArgs
 from specbatch.engine.llm_engine import LLMEngine

@@ -614,7 +614,8 @@ def test_the_start_up_timing_leaves_nothing_behind(pair):  # noqa: F811
 
 
 def test_bench_has_an_auto_row(make_checkpoint, tmp_path):
-    from specbatch.bench.offline import BenchConfig, run_bench
+    from specbatch.bench.bench_config import BenchConfig
+    from specbatch.bench.offline import run_bench
     from specbatch.bench.report import format_report, format_table
     from specbatch.entrypoints.cli import build_parser
 

@@ -227,7 +227,7 @@ def test_bench_rejects_bad_trees(
 
 
 def test_bench_config_checks_its_trees() -> None:
-    from specbatch.bench.offline import BenchConfig
+    from specbatch.bench.bench_config import BenchConfig
     from specbatch.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="trees 2x1/2: a tree has >= 2 children"):
@@ -335,6 +335,7 @@ def test_each_repeat_runs_prompts_of_its_own(
     make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, interleave: str
 ) -> None:
     from specbatch.bench import cell_run, offline
+    from specbatch.bench.bench_config import BenchConfig
 
     measured: list[tuple[int, int, int, tuple[tuple[int, ...], ...]]] = []
 
@@ -349,7 +350,7 @@ def test_each_repeat_runs_prompts_of_its_own(
 
     monkeypatch.setattr(offline, "CellRun", Recording)  # side by side
     monkeypatch.setattr(cell_run, "CellRun", Recording)  # alone (run_cell)
-    cfg = offline.BenchConfig(
+    cfg = BenchConfig(
         model=str(make_checkpoint("llama", num_layers=1, seed=0)),
         draft_model=str(make_checkpoint("llama", num_layers=1, seed=1)),
         batch_sizes=[1, 2],
@@ -532,7 +533,8 @@ def test_report_names_the_drafter(cfg: dict, label: str) -> None:
 
 
 def test_tree_cells_run_the_mixed_workload(make_checkpoint: Callable[..., Path]) -> None:
-    from specbatch.bench.offline import BenchConfig, run_bench
+    from specbatch.bench.bench_config import BenchConfig
+    from specbatch.bench.offline import run_bench
 
     cfg = BenchConfig(
         model=str(make_checkpoint("llama", num_layers=2, seed=0)),
@@ -560,7 +562,8 @@ def test_tree_cells_run_the_mixed_workload(make_checkpoint: Callable[..., Path])
 
 
 def test_tree_cells_run_the_grounded_workload() -> None:
-    from specbatch.bench.offline import BenchConfig, run_bench
+    from specbatch.bench.bench_config import BenchConfig
+    from specbatch.bench.offline import run_bench
 
     cfg = BenchConfig(  # the built-in pair, drafting with its EAGLE head
         batch_sizes=[1],

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from specbatch.bench.serve_load import percentiles, run_benchmark, synthetic_prompts
+from specbatch.bench.serve_load import run_benchmark, synthetic_prompts
+from specbatch.bench.serve_results import percentiles
 from specbatch.config import EngineArgs
 from specbatch.entrypoints.bench_serve import parse_rates
 from specbatch.entrypoints.cli import main

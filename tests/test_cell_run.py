@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from specbatch.bench import cell_run
+from specbatch.bench.bench_config import BenchConfig
 from specbatch.bench.cell_run import CellRun, OwnClock, PassCounts, run_cell, run_side_by_side
 from specbatch.bench.engines import build_engine, share_weights
-from specbatch.bench.offline import BenchConfig
 from specbatch.bench.workload import Workload
 from specbatch.draft_shape import DraftShape
 from specbatch.engine.llm_engine import LLMEngine

@@ -4,18 +4,16 @@ tree, auto), all up for the whole run and sharing the checkpoints' weights."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from specbatch.bench.bench_config import BenchConfig
 from specbatch.bench.drafts import PLAIN, Draft, is_tree, speculative_keys
 from specbatch.config import EngineArgs
 from specbatch.engine.data_parallel import DataParallelEngine, create_engine
 from specbatch.engine.llm_engine import LLMEngine
 from specbatch.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from specbatch.bench.offline import BenchConfig
 
 
 def drafter(cfg: BenchConfig) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from specbatch.bench.serve_load import RequestResult, percentiles, scrape_metrics, summarise
+from specbatch.bench.serve_results import RequestResult, percentiles, scrape_metrics, summarise
 
 FOLLOW_UPS = (
     "Say more about that.",

@@ -1,5 +1,6 @@
 """Load generation against an OpenAI-compatible server: Poisson arrivals, streamed requests,
-latency percentiles, a table and a plot (the engine behind ``specbatch bench serve``)."""
+a table and a plot (the engine behind ``specbatch bench serve``); the latencies and counters
+it reports are serve_results.py's, the chat workload serve_chat.py's."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from specbatch.engine.prometheus import parse_metrics
-from specbatch.stats import percentile
+from specbatch.bench.serve_chat import run_chat_rate
+from specbatch.bench.serve_results import RequestResult, scrape_metrics, summarise
 
 _WORDS = [
     "the",
@@ -50,37 +50,9 @@ _WORDS = [
 ]
 
 
-@dataclass
-class RequestResult:
-    ok: bool
-    error: str | None = None
-    start: float = 0.0
-    ttft: float | None = None
-    e2e: float | None = None
-    output_tokens: int = 0
-    chunk_times: list[float] = field(default_factory=list)
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
 def synthetic_prompts(n: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(n)]
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """Mean, p50, p90, p99 in milliseconds (linear interpolation), None when empty."""
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    ms = 1000.0
-    return {
-        "mean": sum(values) / len(values) * ms,
-        **{f"p{q}": percentile(values, q) * ms for q in (50, 90, 99)},
-    }
 
 
 async def _one_request(
@@ -120,14 +92,6 @@ async def _one_request(
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
-
-
-async def scrape_metrics(client: httpx.AsyncClient) -> dict[str, float]:
-    try:
-        resp = await client.get("/metrics", timeout=30)
-        return parse_metrics(resp.text) if resp.status_code == 200 else {}
-    except httpx.HTTPError:
-        return {}
 
 
 async def run_rate(
@@ -170,49 +134,6 @@ async def run_rate(
     return summarise(rate, results, duration, before, after)
 
 
-def summarise(
-    rate: float,
-    results: list[RequestResult],
-    duration: float,
-    before: dict[str, float],
-    after: dict[str, float],
-) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    tokens = sum(r.output_tokens for r in ok)
-    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    proposed = after.get("specbatch:spec_decode_num_draft_tokens_total", 0.0) - before.get(
-        "specbatch:spec_decode_num_draft_tokens_total", 0.0
-    )
-    accepted = after.get("specbatch:spec_decode_num_accepted_tokens_total", 0.0) - before.get(
-        "specbatch:spec_decode_num_accepted_tokens_total", 0.0
-    )
-    errors = [r.error for r in results if not r.ok]
-    queries, hits = (
-        after.get(f"specbatch:prefix_cache_{n}_total", 0.0)
-        - before.get(f"specbatch:prefix_cache_{n}_total", 0.0)
-        for n in ("queries", "hits")
-    )
-    return {
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "num_requests": len(results),
-        "completed": len(ok),
-        "errors": len(errors),
-        "error_examples": sorted(set(e for e in errors if e))[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_throughput": tokens / duration if duration > 0 else 0.0,
-        "total_output_tokens": tokens,
-        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": percentiles([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": percentiles(itl),
-        "acceptance_rate": accepted / proposed if proposed > 0 else None,
-        "draft_tokens_proposed": int(proposed),
-        "draft_tokens_accepted": int(accepted),
-        "kv_blocks_used_after": after.get("specbatch:kv_blocks_used"),
-        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
-    }
-
-
 async def run_benchmark(
     base_url: str,
     rates: list[float],
@@ -230,8 +151,6 @@ async def run_benchmark(
 ) -> dict[str, Any]:
     """Benchmark every rate in turn (the same prompts each time); returns the JSON report.
     ``multi_turn`` > 1: each prompt opens a chat of that many turns (serve_chat.py)."""
-    from specbatch.bench.serve_chat import run_chat_rate
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), limits=limits) as client:

@@ -11,8 +11,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from specbatch.bench.bench_config import DEFAULT_BATCH_SIZES, DEFAULT_DRAFT_LENGTHS, BenchConfig
 from specbatch.bench.drafts import TREE_SPELLING, parse_draft_length, parse_tree
-from specbatch.bench.offline import DEFAULT_BATCH_SIZES, DEFAULT_DRAFT_LENGTHS, BenchConfig
 from specbatch.entrypoints.flags import add_engine_flags, add_options, values_of
 from specbatch.errors import InvalidInputError
 from specbatch.speculative_config import SpeculativeConfig

@@ -9,46 +9,20 @@ are built on the host, a row a request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from specbatch.scheduler.output import ScheduledRequest
+from specbatch.worker.draft_roots import DraftPass, Roots
+
+# re-exported: eagle_proposer.py takes padded_tables (with Roots) from here
+from specbatch.worker.draft_roots import padded_tables as padded_tables
 from specbatch.worker.draft_tree import TreeGrower
 from specbatch.worker.model_runner import ForwardInputs, build_inputs
-from specbatch.worker.proposer import DraftRound, Proposal
+from specbatch.worker.proposal import Proposal
+from specbatch.worker.proposer import DraftRound
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs, sample
-
-# One drafter pass: (tokens [R], the state of each row's parent or None, the inputs) ->
-# (the state of each row, float32 logits [R, V])
-DraftPass = Callable[
-    [torch.Tensor, torch.Tensor | None, ForwardInputs], tuple[torch.Tensor | None, torch.Tensor]
-]
-
-
-@dataclass
-class Roots:
-    """The drafting requests after the drafter's catch-up: their logits at the last known token."""
-
-    index: list[int]  # their indices among the step's sampling requests
-    logits: torch.Tensor  # float32 [A, V]
-    state: torch.Tensor | None  # [A, F]: what the next pass reads beside a token (EAGLE)
-    base: list[int]  # the key index of each one's first draft pass
-    blocks: list[list[int]]  # their block tables
-
-    @cached_property
-    def tables(self) -> torch.Tensor:
-        """int64 [A, W]: the block tables, padded to one width."""
-        return padded_tables(self.blocks, self.logits.device)
-
-
-def padded_tables(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
-    """int64 [A, W]: block tables padded with 0 to the longest one's width."""
-    w = max(map(len, blocks), default=1) or 1
-    padded = [t + [0] * (w - len(t)) for t in blocks]
-    return torch.tensor(padded, dtype=torch.int64).to(device)
 
 
 @dataclass

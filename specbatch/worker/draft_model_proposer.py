@@ -9,9 +9,11 @@ import torch
 
 from specbatch.config import EngineConfig
 from specbatch.distributed.parallel_state import TensorParallelGroup
-from specbatch.worker.draft_loop import Roots, catch_up, drafting, grow
+from specbatch.worker.draft_loop import catch_up, drafting, grow
+from specbatch.worker.draft_roots import Roots
 from specbatch.worker.model_runner import ForwardInputs, ModelRunner
-from specbatch.worker.proposer import Drafter, DraftRound, Proposal
+from specbatch.worker.proposal import Proposal
+from specbatch.worker.proposer import Drafter, DraftRound
 
 
 class DraftModelProposer(Drafter):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specbatch.worker.proposer import Proposal
+from specbatch.worker.proposal import Proposal
 
 _MISSING = object()
 

@@ -16,7 +16,8 @@ import torch
 
 from specbatch.config import EngineConfig
 from specbatch.scheduler.output import NewRequestData
-from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
+from specbatch.worker.proposal import Proposal
+from specbatch.worker.proposer import Drafter, DraftRound, RoundOutcome
 
 MATCHES = 8  # the latest earlier ends kept per n-gram
 

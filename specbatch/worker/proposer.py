@@ -2,8 +2,9 @@
 
 Given the step's requests and the draft shape each may fill (a chain of ``k`` tokens, or a
 tree: ``specbatch/draft_shape.py``), a drafter proposes draft nodes and, when they were sampled,
-the distribution q at each node that grew children. The worker's round is the same for every
-drafter; the verifier needs only the nodes, their parents, q (or "not sampled") and p.
+the distribution q at each node that grew children (``proposal.py``). The worker's round is the
+same for every drafter; the verifier needs only the nodes, their parents, q (or "not sampled")
+and p.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
 from specbatch.draft_shape import DraftShape
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.output import NewRequestData, ScheduledRequest
+from specbatch.worker.grammar_masks import StepGrammars
 from specbatch.worker.penalties import Penalties
-
-if TYPE_CHECKING:
-    from specbatch.worker.grammar_masks import StepGrammars
+from specbatch.worker.proposal import Proposal
 
 T = TypeVar("T")
 
@@ -80,29 +80,6 @@ class DraftRound:
 
     def empty_proposal(self, device: torch.device) -> Proposal:
         return Proposal.empty(len(self.sampling), device)
-
-
-@dataclass
-class Proposal:
-    """Request b's draft nodes ``1 .. counts[b]`` are ``tokens[b, :counts[b]]`` (node j at column
-    j - 1; node 0 is the request's last known token, the root). ``parents[b, j - 1]`` is node j's
-    parent, always a lower index, siblings in the order they were drawn; None: chains (node j's
-    parent is j - 1). ``probs[b, j]`` is q at node j, the law its children were drawn from
-    without replacement; None: the children were not sampled (argmaxes, top-k, or a lookup)."""
-
-    tokens: torch.Tensor  # int64 [B, N]; padding 0
-    counts: list[int]
-    probs: torch.Tensor | None = None  # [B, N, V]
-    parents: torch.Tensor | None = None  # int64 [B, N]
-
-    @staticmethod
-    def empty(batch: int, device: torch.device, width: int = 0) -> Proposal:
-        tokens = torch.zeros((batch, width), dtype=torch.int64, device=device)
-        return Proposal(tokens, [0] * batch)
-
-    @property
-    def is_tree(self) -> bool:
-        return self.parents is not None
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from specbatch.model.layers.attention import AttentionMetadata
 from specbatch.scheduler.output import ScheduledRequest
 from specbatch.worker.model_runner import ForwardInputs
-from specbatch.worker.proposer import Proposal
+from specbatch.worker.proposal import Proposal
 from specbatch.worker.tree_topology import Topology, chain_parents, path_tokens
 
 
