@@ -69,7 +69,7 @@ def test_a_top_p_tree_of_many_rounds_keeps_the_targets_law(small_vocab, monkeypa
     shape = DraftShape(4, 2, 8)
     spy = TreeSpy(monkeypatch, shape)
     llm = LLM(str(target), speculative_config=spec_of(shape, "draft_model", draft),
-              max_num_seqs=256, num_kv_blocks=2048, block_size=4, seed=0, max_model_len=64)  # fmt: skip
+              max_num_seqs=256, num_kv_blocks=2048, block_size=4, seed=0)  # fmt: skip
     prompt, n = [2, 8, 5, 1], 20_000
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
@@ -128,12 +128,14 @@ def test_narrow_deep_trees_equal_transformers_within_the_slots_they_reserve(
     model = draft if method == "draft_model" else head
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, [100, 200, 30, 40]]
     ref = hf_greedy(target, prompts, 24)
-    for shape in NARROW:
-        written = [0]
+    written: list[int] = []
 
-        def spy(base, tables, d, k, *args, **kwargs):
-            written[0] = max(written[0], (d - 1) * k + k)  # key index base + (d-1)k + j, j < k
-            return BEAM_INPUTS(base, tables, d, k, *args, **kwargs)
+    def spy(base, tables, d, k, *args, **kwargs):
+        written.append((d - 1) * k + k)  # key indices base + (d - 1) k + j, j < k
+        return BEAM_INPUTS(base, tables, d, k, *args, **kwargs)
+
+    for shape in NARROW:
+        written.clear()
 
         monkeypatch.setattr(draft_tree, "beam_inputs", spy)
         verified = TreeSpy(monkeypatch, shape)
@@ -147,7 +149,7 @@ def test_narrow_deep_trees_equal_transformers_within_the_slots_they_reserve(
         assert [o.outputs[0].token_ids for o in outs] == ref, shape
         assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
         assert verified.rounds > 0
-        assert shape.lookahead == max(written[0], shape.nodes), shape
+        assert shape.lookahead == max(*written, shape.nodes), shape
 
 
 def test_the_lookahead_of_every_shape_covers_the_passes_and_the_nodes():
