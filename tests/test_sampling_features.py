@@ -35,7 +35,11 @@ SPECULATION = {
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
-}
+    "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "topk": 2,
+                   "num_draft_tokens": 5},
+    "eagle3_tree": {"method": "eagle3", "num_speculative_tokens": 3, "topk": 2,
+                    "num_draft_tokens": 5},
+}  # fmt: skip
 
 
 def engine(pair, method: str, **kw) -> LLM:
@@ -82,7 +86,7 @@ def test_logprobs_are_the_targets_at_every_emitted_token(pair, reference, method
         seed=11,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    if method == "draft_model" or (method == "ngram" and temperature == 0.0):
+    if method in ("draft_model", "draft_tree") or (method == "ngram" and temperature == 0.0):
         assert llm.engine.metrics.spec.accepted > 0  # drafts were accepted, not just proposed
     for p, out in zip(ps, outs):
         c = out.outputs[0]
