@@ -131,14 +131,16 @@ def test_greedy_tree_output_equals_transformers(make_checkpoint, tmp_path, arch,
             assert llm.engine.metrics.spec.mean_tokens_per_round > 2.0
 
 
-def cache_rows(llm: LLM, table: list[int], n: int) -> list[torch.Tensor]:
-    """The target's keys and values of positions 0..n-1 of a request, layer by layer."""
-    runner = llm.engine.executor.worker.target
+def cache_rows(llm: LLM, table: list[int], n: int, runner=None) -> list[torch.Tensor]:
+    """Keys and values of positions 0..n-1 of a request, layer by layer: in the target's cache,
+    or in ``runner``'s (an EAGLE proposer's: its head's)."""
+    runner = runner or llm.engine.executor.worker.target
+    backend = runner.head.attention_backend if hasattr(runner, "head") else runner.backend
     bs = llm.engine.config.block_size
-    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.int64)
     out = []
     for k, v in runner.kv_caches:
-        kernels = getattr(runner.backend, "kernels", None)
+        kernels = getattr(backend, "kernels", None)
         if kernels is not None:  # the CPU kernel's own layout
             keys, values = kernels.slot_elements(k, v)
             out += [k.view(-1)[keys(slots)].clone(), v.view(-1)[values(slots)].clone()]
@@ -173,6 +175,56 @@ def test_after_tree_rounds_the_cache_holds_the_accepted_path(pair, backend):
     n = min(len(tokens_t), len(tokens_p))
     assert tokens_t[:n] == tokens_p[:n] and n > len(prompt) + 4
     for a, b in zip(rows_t, rows_p, strict=True):
+        torch.testing.assert_close(a[:n], b[:n], atol=1e-5, rtol=1e-5)
+
+
+def head_states(llm: LLM, prompt: list[int], monkeypatch) -> tuple[dict, list, int]:
+    """Greedy decoding of one request, step by step: the target features the EAGLE head keeps
+    for each position, the head's cache of the positions it has read, and how many accepted
+    nodes were moved into place (a path other than the first child's)."""
+    e, proposer = llm.engine, llm.engine.executor.worker.drafter
+    moved = [0]
+    target = e.executor.worker.target
+    real_move = target.move_kv
+
+    def move_kv(src, dst):
+        moved[0] += len(src)
+        return real_move(src, dst)
+
+    monkeypatch.setattr(target, "move_kv", move_kv)
+    features: dict[int, torch.Tensor] = {}
+    head_cache: list = []
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    e.add_request({"prompt_token_ids": prompt}, params, request_id="r")
+    while e.has_unfinished_requests():
+        e.step()
+        kept = proposer.pending.get("r")
+        if kept is None or not kept.chunks or "r" not in e.scheduler.requests:
+            continue
+        rows = torch.cat(kept.chunks)
+        features.update({kept.start + i: rows[i].clone() for i in range(rows.shape[0])})
+        head_cache = cache_rows(llm, list(e.kv_cache.block_table("r")), kept.start, proposer)
+    return features, head_cache, moved[0]
+
+
+def test_after_tree_rounds_the_heads_state_is_a_chains(pair, monkeypatch):
+    """The EAGLE head keeps the target's features of the accepted path's nodes (not of the
+    nodes that sat first in the tree) and reads them into its cache: the same features and the
+    same cache as a chain run that accepted the same tokens."""
+    runs = {}
+    for name, spec in (("tree", TREE), ("chain", {"num_speculative_tokens": 3})):
+        llm = LLM(str(pair[0]), speculative_config={**drafter(pair, "eagle3"), **spec},
+                  num_kv_blocks=64, block_size=4, attention_backend="torch")  # fmt: skip
+        runs[name] = head_states(llm, [0, 1, 2, 2, 1], monkeypatch)
+    (feat_t, cache_t, moved), (feat_c, cache_c, _) = runs["tree"], runs["chain"]
+    assert moved > 0  # some round accepted a path off the first children
+    common = sorted(set(feat_t) & set(feat_c))
+    assert len(common) > 20
+    for p in common:
+        torch.testing.assert_close(feat_t[p], feat_c[p], atol=1e-5, rtol=1e-5)
+    n = min(cache_t[0].shape[0], cache_c[0].shape[0])
+    assert n > 0
+    for a, b in zip(cache_t, cache_c, strict=True):
         torch.testing.assert_close(a[:n], b[:n], atol=1e-5, rtol=1e-5)
 
 
