@@ -8,7 +8,9 @@ tokens.
 What is checked: DP=2 outputs are DP=1's, in input order (greedy and seeded), the replicas on
 different nodes; aborted requests leave no KV block on any replica; ``generate`` with a replica
 killed mid-run writes every index exactly once, with DP=1's tokens; ``generate`` stopped by
-SIGTERM and resumed equals an uninterrupted run; the server, with a replica killed under it,
+SIGTERM and resumed equals an uninterrupted run; requests moved off a killed replica are sent
+out again before every request added after them, in the order they were added; an answer from
+a replica already marked down is refused; the server, with a replica killed under it,
 ends that replica's stream with an error, retries its request that had streamed nothing, and
 keeps serving; a replica that cannot load, or a placement the cluster cannot hold, fails the
 launch with the reason and leaves nothing behind.
@@ -27,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +337,123 @@ def _wait_gone(before: list[str]) -> None:
     while set(dp_actors()) - set(before):
         assert time.monotonic() < deadline, f"replicas left behind: {dp_actors()}"
         time.sleep(0.2)
+
+
+# ---- a replica lost: the queue's order, and late answers ------------------------------------
+def test_requests_moved_off_a_dead_replica_keep_their_turn(dp1, pair, cluster) -> None:
+    """Offline (pull), a replica's unfinished requests go back to the head of the queue here in
+    the order they were added: from the loss on, requests are sent out in the order they were
+    added, the moved ones before every request added after them; each finishes once, with
+    DP=1's tokens."""
+    n, max_tokens = 48, 40
+    llm = spec_llm(pair, max_num_seqs=4, data_parallel_size=2)
+    engine = llm.engine
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts(n)]
+        added = {rid: k for k, rid in enumerate(ids)}
+        done: dict[str, list[int]] = {}
+
+        def take(outputs: list[Any]) -> None:
+            for o in outputs:
+                assert o.finished and o.request_id not in done, o.request_id
+                done[o.request_id] = list(o.outputs[0].token_ids)
+
+        def on(i: int | None) -> list[str]:
+            return [rid for rid, e in engine._requests.items() if e.replica == i]
+
+        deadline = time.monotonic() + 60
+        while not (len(on(1)) >= 3 and engine._pending):  # replica 1 busy, more queued here
+            take(engine.step())
+            assert time.monotonic() < deadline, "replica 1 never got requests"
+        sent = {rid for rid, e in engine._requests.items() if e.replica is not None}
+        victim = engine.replicas[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while victim.alive:
+            take(engine.step())
+            assert time.monotonic() < deadline, "the dead replica was never marked down"
+        assert "its process died" in str(victim.error)
+        queued = [rid for rid in ids if rid in on(None)]  # in the order they were added
+        moved = [rid for rid in queued if rid in sent]
+        assert len(moved) >= 2 and len(moved) < len(queued), (moved, queued)  # both kinds queued
+        # the order in which they leave the queue (those sent in one step sorted among themselves)
+        order: list[str] = []
+        deadline = time.monotonic() + 180
+        while engine.has_unfinished_requests():
+            take(engine.step())
+            left = [
+                rid
+                for rid in queued
+                if rid not in order
+                and (rid not in engine._requests or engine._requests[rid].replica is not None)
+            ]
+            order += sorted(left, key=added.get)
+            assert time.monotonic() < deadline, "the run did not finish"
+        assert order == queued, f"moved {moved}, sent out as {order}"
+        assert sorted(done, key=added.get) == ids  # each exactly once
+        assert [done[rid] for rid in ids] == reference(dp1, n, max_tokens)
+    finally:
+        llm.shutdown()
+
+
+def test_an_answer_from_a_replica_already_marked_down_is_refused(pair, cluster) -> None:
+    """The server's path (route at once, streams): replica 1 answers a poll, then dies, and the
+    engine marks it down (a stats call fails) and routes its requests, which had streamed
+    nothing, to replica 0. The answer read after that is refused: no output delivered, no
+    gauge of the dead replica back in the engine's state, no failure; every request then
+    streams from replica 0 alone, finishing once."""
+    from specbatch.engine.data_parallel import POLL_S, DataParallelEngine
+
+    args = EngineArgs(
+        model=str(pair[0]), draft_model=str(pair[1]), num_speculative_tokens=GAMMA,
+        max_num_seqs=8, data_parallel_size=2, **ENGINE,
+    )  # fmt: skip
+    engine = DataParallelEngine(args.create_engine_config(), route_at_once=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        for k, p in enumerate(prompts(4)):
+            text, ids = engine.check_request(p, params)
+            engine.add_checked_request(text, ids, params, f"r{k}", stream=True)
+        on_1 = sorted(rid for rid, e in engine._requests.items() if e.replica == 1)
+        assert len(on_1) == 2, {rid: e.replica for rid, e in engine._requests.items()}
+
+        def poll(i: int) -> Any:  # as the server's pump polls a replica
+            return engine.replicas[i].actor.poll.remote(None, -1, POLL_S)
+
+        deadline = time.monotonic() + 60
+        while True:  # replica 1 answers with outputs of its streams
+            ref = poll(1)
+            ready, _ = ray.wait([ref], timeout=30)
+            assert ready and time.monotonic() < deadline, "replica 1 did not answer"
+            if ray.get(ref).outputs:
+                break
+        os.kill(engine.replicas[1].pid, signal.SIGKILL)
+        engine.replica_states()  # its stats call fails: marked down, its requests moved
+        assert not engine.replicas[1].alive and "its process died" in str(engine.replicas[1].error)
+        assert {rid: engine._requests[rid].replica for rid in on_1} == dict.fromkeys(on_1, 0)
+        before = engine.state()
+        late = ray.get(ref)  # the answer it gave before it died, read only now
+        assert late.outputs and {o.request_id for o in late.outputs} <= set(on_1)
+        assert late.state.running > 0 and late.state.kv_blocks_used > 0
+        assert engine.absorb(1, late) == []
+        assert engine.state() == before  # its gauges stay out of the sums
+        assert engine.take_failures() == [] and len(engine._requests) == 4
+        streamed: dict[str, list[list[int]]] = {}
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished_requests():  # now replica 0 alone answers
+            for o in engine.absorb(0, ray.get(poll(0), timeout=60)):
+                streamed.setdefault(o.request_id, []).append(list(o.outputs[0].token_ids))
+                assert o.finished == (len(o.outputs[0].token_ids) == 40), o
+            assert time.monotonic() < deadline, "the streams did not finish"
+        assert sorted(streamed) == [f"r{k}" for k in range(4)] and not engine.take_failures()
+        for seen in streamed.values():  # each stream grows from its start, once
+            assert all(len(a) < len(b) and b[: len(a)] == a for a, b in pairwise(seen))
+        for o in late.outputs:  # greedy: the run on replica 0 repeats what replica 1 had made
+            final = streamed[o.request_id][-1]
+            assert final[: len(o.outputs[0].token_ids)] == list(o.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
 
 
 # ---- serve ---------------------------------------------------------------------------------
