@@ -1,9 +1,7 @@
 """The engine's arguments, each declared once (type, default, limits, help) and checked when the
 arguments are made, and the frozen ``EngineConfig`` they resolve to: the checkpoints as
 ``model/model_pair.py`` read them, the draft length settled, the limits between arguments checked.
-
-``LLM(...)``, the command line's engine flags and the server all take ``EngineArgs``; every error
-is an ``InvalidInputError`` naming the argument and the limit.
+Every error is an ``InvalidInputError`` naming the argument and the limit.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specbatch.drafters import DrafterKind
-from specbatch.errors import InvalidInputError
+from specbatch.errors import invalid
 from specbatch.options import check_options, option
 from specbatch.speculative_config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -30,10 +28,9 @@ from specbatch.speculative_config import (
 if TYPE_CHECKING:
     from specbatch.model.checkpoint import ModelConfig
 
-# fmt: off
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
-               "T": 1e12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-# fmt: on
+               "T": 1e12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30,
+               "TIB": 1 << 40}  # fmt: skip
 
 
 def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> int:
@@ -43,13 +40,11 @@ def parse_memory_size(value: str | int, field_name: str = "kv_cache_memory") -> 
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if m is None or m.group(2).upper() not in _SIZE_UNITS:
-            raise InvalidInputError(
-                f"{field_name}: cannot read {value!r} as a size (e.g. 2GiB, 512MiB, 1e9)",
-                field_name,
-            )
+            why = f": cannot read {value!r} as a size (e.g. 2GiB, 512MiB, 1e9)"
+            raise invalid(field_name, why)
         n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
     if n <= 0:
-        raise InvalidInputError(f"{field_name} must be positive, got {value!r}", field_name)
+        raise invalid(field_name, f" must be positive, got {value!r}")
     return n
 
 
@@ -136,37 +131,37 @@ class EngineArgs:
             self.speculative, target, self.model is None, field
         )
         spec = self._resolve(kind, path, draft is not None)
-        limit = target.context_length
-        if draft is not None and draft.context_length:
-            limit = min(limit, draft.context_length) if limit else draft.context_length
-        max_model_len = self.max_model_len or limit
-        if limit and max_model_len > limit:
-            raise InvalidInputError(
-                f"max_model_len={max_model_len} exceeds the models' context length {limit}",
-                "max_model_len",
-            )
-        batched = self.max_num_batched_tokens
+        known = [m.context_length for m in (target, draft) if m is not None and m.context_length]
+        limit = min(known, default=0)  # the models' shortest context (0: none known)
+        max_model_len, batched = self.max_model_len or limit, self.max_num_batched_tokens
         room = max(spec.depth, spec.shape.lookahead) + 1
-        if batched < room:
-            raise InvalidInputError(
-                f"max_num_batched_tokens must be an integer >= {room}, got {batched}",
-                "max_num_batched_tokens",
-            )
         tp, draft_tp = self.tensor_parallel_size, spec.draft_tensor_parallel_size
-        if draft_tp not in (1, tp):
-            raise InvalidInputError(
-                f"draft_tensor_parallel_size must be 1 (replicated) or {tp}, got {draft_tp}",
-                "draft_tensor_parallel_size",
-            )
-        model_pair.check_split(target, draft, tp, draft_tp)
         backend = self.distributed_executor_backend or ("ray" if tp > 1 else "uni")
-        if backend == "uni" and tp > 1:
-            raise InvalidInputError(
-                "tensor_parallel_size > 1 needs distributed_executor_backend='ray'",
-                "tensor_parallel_size",
-            )
-        if self.batch_invariant:
-            self._check_batch_invariant(device, spec)
+        invariant, attention = self.batch_invariant, self.attention_backend
+        # the limits between arguments; batch_invariant needs every op of a step to sum in an
+        # order that does not depend on the batch: specbatch's CPU kernels (the loader refuses
+        # to place a model without them), and draft lengths that do not depend on it either
+        for broken, name, why in (
+            (limit and max_model_len > limit, "max_model_len",
+             f"={max_model_len} exceeds the models' context length {limit}"),
+            (batched < room, "max_num_batched_tokens",
+             f" must be an integer >= {room}, got {batched}"),
+            (draft_tp not in (1, tp), "draft_tensor_parallel_size",
+             f" must be 1 (replicated) or {tp}, got {draft_tp}"),
+            (backend == "uni" and tp > 1, "tensor_parallel_size",
+             " > 1 needs distributed_executor_backend='ray'"),
+            (invariant and device != "cpu", "batch_invariant",
+             f" runs on a CPU (specbatch's kernels), not on device '{device}'"),
+            (invariant and spec.auto, "batch_invariant",
+             " needs a fixed num_speculative_tokens: 'auto' chooses draft lengths from the batch"),
+            (invariant and attention not in ("auto", "cpu"), "batch_invariant",
+             f" needs attention_backend 'cpu' (or 'auto'), got '{attention}'"),
+            (invariant and self.dtype == "float16", "batch_invariant",
+             " needs dtype float32 or bfloat16 (the kernels' matrix multiplies), got float16"),
+        ):  # fmt: skip
+            if broken:
+                raise invalid(name, why)
+        model_pair.check_split(target, draft, tp, draft_tp)
         resolved = {
             "target": target,
             "draft": draft,
@@ -183,44 +178,22 @@ class EngineArgs:
     def _resolve(self, kind: DrafterKind, path: str | None, has_draft: bool) -> SpeculativeConfig:
         """The speculative config as the engine runs it: the default draft length, no method
         without one."""
-        spec = self.speculative
-        k = spec.num_speculative_tokens
+        k = self.speculative.num_speculative_tokens
         if k is None and (has_draft or not kind.needs_model):
             # by default the controller decides (it drafts only where drafting pays); batch
             # invariance needs draft lengths that do not depend on the batch
             k = DEFAULT_NUM_SPECULATIVE_TOKENS if self.batch_invariant else "auto"
-        k = 0 if k is None else k
-        depth = spec.max_draft_length if k == "auto" else k
-        if spec.topk > 1 and spec.topk * (depth - 1) > MAX_TREE_NODES + 1:
-            raise InvalidInputError(
-                f"speculative_config.topk x (num_speculative_tokens - 1) must be at most "
-                f"{MAX_TREE_NODES + 1} (the nodes a tree's drafter expands), got {spec.topk} x "
-                f"{depth - 1}",
-                "speculative_config.topk",
-            )
-        if depth > 0 and not has_draft and kind.needs_model:
-            raise InvalidInputError(
-                f"num_speculative_tokens={depth} needs a draft model (draft_model is not set)",
-                "num_speculative_tokens",
-            )
-        method, k = (kind.method, k) if depth > 0 else (None, 0)
-        return dataclasses.replace(spec, method=method, model=path, num_speculative_tokens=k)
-
-    def _check_batch_invariant(self, device: str, spec: SpeculativeConfig) -> None:
-        """batch_invariant needs every op of a step to sum in an order that does not depend on
-        the batch: specbatch's CPU kernels (matrix multiplies, attention, norms; the loader
-        refuses to place a model without them), and draft lengths that do not depend on it."""
-        for broken, why in (
-            (device != "cpu", f"runs on a CPU (specbatch's kernels), not on device '{device}'"),
-            (spec.auto, "needs a fixed num_speculative_tokens: 'auto' "
-             "chooses draft lengths from the batch"),
-            (self.attention_backend not in ("auto", "cpu"), "needs attention_backend 'cpu' (or "
-             f"'auto'), got '{self.attention_backend}'"),
-            (self.dtype == "float16", "needs dtype float32 or bfloat16 (the kernels' matrix "
-             "multiplies), got float16"),
-        ):  # fmt: skip
-            if broken:
-                raise InvalidInputError(f"batch_invariant {why}", "batch_invariant")
+        spec = dataclasses.replace(
+            self.speculative, method=kind.method, model=path, num_speculative_tokens=k or 0
+        )
+        if spec.topk > 1 and spec.topk * (spec.depth - 1) > MAX_TREE_NODES + 1:
+            raise invalid("speculative_config.topk", " x (num_speculative_tokens - 1) must be at "
+                          f"most {MAX_TREE_NODES + 1} (the nodes a tree's drafter expands), got "
+                          f"{spec.topk} x {spec.depth - 1}")  # fmt: skip
+        if spec.speculative and not has_draft and kind.needs_model:
+            why = f"={spec.depth} needs a draft model (draft_model is not set)"
+            raise invalid("num_speculative_tokens", why)
+        return spec if spec.speculative else dataclasses.replace(spec, method=None)
 
 
 @dataclass(frozen=True)

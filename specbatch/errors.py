@@ -27,6 +27,11 @@ class InvalidInputError(ValueError):
         return InvalidInputError, (str(self), self.field)
 
 
+def invalid(field: str, rest: str) -> InvalidInputError:
+    """The error of ``field``: its message is the field's name, then ``rest``."""
+    return InvalidInputError(field + rest, field)
+
+
 class EngineError(RuntimeError):
     """The engine itself failed (a worker died, a step timed out); requests in flight are lost.
 

@@ -1,16 +1,14 @@
 """Options declared once: a dataclass field whose metadata holds its ``Option`` (help, limits).
-
-``EngineArgs``, ``SpeculativeConfig`` and ``SamplingParams`` declare their fields with
-``option(...)``; the command line's flags, the server's request fields and every error message
-are read from those declarations, and ``check_options`` is the one check of a value against its
-type and limits, naming the field as the caller spells it.
-"""
+The command line's flags, the server's request fields and every error message are read from
+those declarations, and ``check_options`` is the one check of a value against its type and
+limits, naming the field as the caller spells it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import operator
 import os
 import typing
 from collections.abc import Iterator, Mapping
@@ -18,11 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specbatch.errors import InvalidInputError
+from specbatch.errors import invalid
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
           Path: "a path", object: "a value"}  # fmt: skip
-_PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+_MANY = {int: "a list of integers", float: "a list of numbers", bool: "a list of booleans",
+         str: "a string or a list of strings"}  # fmt: skip
+# each limit: how the help and the errors write it alone, and as an interval's end; its check
+_BOUNDS = {"ge": (">=", "[", operator.ge), "gt": (">", "(", operator.gt),
+           "le": ("<=", "]", operator.le), "lt": ("<", ")", operator.lt)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Option:
     metavar: str | None = None
     flag: bool = True  # the command line has a flag for it
 
+    def _bounds(self) -> list[tuple[str, float]]:
+        """The limits set, as (``ge``, ``gt``, ``le`` or ``lt``, the value)."""
+        return [(n, b) for n in _BOUNDS if (b := getattr(self, n)) is not None]
+
     @property
     def limit(self) -> str:
         """The values allowed, in words: ``in (0, 1]``, ``>= 1``, ``one of a, b``."""
@@ -49,16 +55,11 @@ class Option:
             return self.shown
         if self.choices:
             return "one of " + ", ".join(self.choices)
-        low = self.ge if self.ge is not None else self.gt
-        high = self.le if self.le is not None else self.lt
-        if low is not None and high is not None:
-            left, right = "[" if self.ge is not None else "(", "]" if self.le is not None else ")"
-            return f"in {left}{low:g}, {high:g}{right}"
-        if low is not None:
-            return f"{'>=' if self.ge is not None else '>'} {low:g}"
-        if high is not None:
-            return f"{'<=' if self.le is not None else '<'} {high:g}"
-        return ""
+        bounds = self._bounds()
+        if len(bounds) == 2:  # an interval
+            (lo, low), (hi, high) = bounds
+            return f"in {_BOUNDS[lo][1]}{low:g}, {high:g}{_BOUNDS[hi][1]}"
+        return " ".join(f"{_BOUNDS[n][0]} {b:g}" for n, b in bounds)
 
     def expected(self, right_type: bool = False) -> str:
         """What a value must be, in words (``right_type``: the value's type was right, so the
@@ -66,10 +67,7 @@ class Option:
         if self.shown is not None or self.choices or (right_type and self.limit and not self.also):
             text = self.limit
         else:
-            kind = f"a list of {_PLURAL[self.type]}" if self.many else _KINDS[self.type]
-            if self.many and self.type is str:
-                kind = "a string or a list of strings"
-            text = f"{kind} {self.limit}".strip()
+            text = f"{(_MANY if self.many else _KINDS)[self.type]} {self.limit}".strip()
         return text + "".join(f" or {word!r}" for word in self.also)
 
     def accepts(self, value: Any) -> bool:
@@ -82,21 +80,14 @@ class Option:
         return self._one(value)
 
     def _one(self, v: Any) -> bool:
-        if isinstance(v, bool) is not (self.type is bool):
+        kinds = {float: (int, float), Path: (str, os.PathLike)}.get(self.type, self.type)
+        if isinstance(v, bool) is not (self.type is bool) or not isinstance(v, kinds):
             return False
-        if self.type is float:
-            if not isinstance(v, (int, float)) or not _finite(v):
-                return False
-        elif not isinstance(v, (str, os.PathLike) if self.type is Path else self.type):
+        if self.type is float and not _finite(v):
             return False
         if self.choices:
             return v in self.choices
-        return not (
-            (self.ge is not None and v < self.ge)
-            or (self.gt is not None and v <= self.gt)
-            or (self.le is not None and v > self.le)
-            or (self.lt is not None and v >= self.lt)
-        )
+        return all(_BOUNDS[n][2](v, b) for n, b in self._bounds())
 
 
 def _finite(v: float) -> bool:
@@ -120,7 +111,6 @@ def options_of(cls: Any) -> Iterator[tuple[str, Option, Any]]:
 
 
 def declared(cls: Any, name: str) -> Option:
-    """The ``Option`` that ``cls`` declares for field ``name``."""
     return next(opt for n, opt, _ in options_of(cls) if n == name)
 
 
@@ -142,10 +132,10 @@ def check_value(name: str, value: Any, opt: Option, nullable: bool = False) -> N
         return
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if opt.type is float and number and not _finite(value):
-        raise InvalidInputError(f"{name} must be a finite number, got {_short(value)}", name)
+        raise invalid(name, f" must be a finite number, got {_short(value)}")
     right_type = not opt.many and (isinstance(value, opt.type) or (opt.type is float and number))
     right_type = right_type and isinstance(value, bool) is (opt.type is bool)
-    raise InvalidInputError(f"{name} must be {opt.expected(right_type)}, got {_short(value)}", name)
+    raise invalid(name, f" must be {opt.expected(right_type)}, got {_short(value)}")
 
 
 def _short(value: Any) -> str:

@@ -5,12 +5,9 @@
     {"method": "eagle", "model": HEAD_DIR, "num_speculative_tokens": 3}   (or "eagle3")
     {"method": "eagle", "num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 8}   (trees)
 
-``num_speculative_tokens`` may be ``"auto"`` (chosen per request and step, up to
-``max_draft_length``). ``method`` may be left out when ``model`` is given; ``model`` may be
-left out for the built-in target, whose own draft model and EAGLE head ship with it. The
-engine's arguments ``draft_model``, ``num_speculative_tokens``, ``draft_tensor_parallel_size``
-and ``max_draft_length`` are shorthands for the same fields: ``normalise`` turns either into one
-frozen ``SpeculativeConfig``.
+``method`` may be left out when ``model`` is given, ``model`` for the built-in target (its own
+draft model and EAGLE head ship with it). The engine's ``SHORTHANDS`` set the same fields:
+``normalise`` turns either into one frozen ``SpeculativeConfig``.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from typing import Any
 
 from specbatch.draft_shape import DraftShape
 from specbatch.drafters import DRAFTERS
-from specbatch.errors import InvalidInputError
+from specbatch.errors import invalid
 from specbatch.options import check_options, check_value, declared, option, options_of, same_as
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # with batch_invariant, when no draft length is given
@@ -81,13 +78,8 @@ class SpeculativeConfig:
 
 
 # The engine's shorthand arguments, and the fields they stand for.
-SHORTHANDS = {
-    "draft_model": "model",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "draft_tensor_parallel_size": "draft_tensor_parallel_size",
-    "max_draft_length": "max_draft_length",
-}
-_SHORTHAND_OF = {field: name for name, field in SHORTHANDS.items()}
+_SAME_NAMED = ("num_speculative_tokens", "draft_tensor_parallel_size", "max_draft_length")
+SHORTHANDS = {"draft_model": "model"} | {name: name for name in _SAME_NAMED}
 _DEFAULTS = {name: default for name, _, default in options_of(SpeculativeConfig)}
 _METHOD = declared(SpeculativeConfig, "method")
 
@@ -98,26 +90,29 @@ def shorthand(name: str, help: str | None = None) -> Any:
 
 
 def normalise(value: Mapping[str, Any] | str | None, **shorthands: Any) -> SpeculativeConfig:
-    """One ``SpeculativeConfig`` from ``speculative_config`` (a dict, or its JSON text) or from
-    the shorthands (already checked as ``EngineArgs``' fields); errors name the field as given:
-    ``speculative_config.topk`` or ``num_speculative_tokens``."""
+    """One ``SpeculativeConfig`` from ``speculative_config`` (a dict, or its JSON text), its
+    errors naming ``speculative_config.KEY``, or else from the shorthands (already checked as
+    ``EngineArgs``' fields, and unable to break the checks between keys)."""
     given = {k: v for k, v in shorthands.items() if v != _DEFAULTS[SHORTHANDS[k]]}
     if value is None:
         keys = {SHORTHANDS[k]: v for k, v in given.items()}
-        keys.setdefault("method", "draft_model" if "model" in keys else None)
-        return _related(keys, lambda key: _SHORTHAND_OF.get(key, key))
+        return SpeculativeConfig(**keys, method="draft_model" if "model" in keys else None)
     if given:
-        raise InvalidInputError(
-            f"speculative_config and {', '.join(given)} were both given: use one (the flags are "
-            "shorthands for speculative_config's fields)",
-            "speculative_config",
-        )
+        raise invalid("speculative_config", f" and {', '.join(given)} were both given: use one "
+                      "(the flags are shorthands for speculative_config's fields)")  # fmt: skip
     keys = _as_dict(value)
     check_options(SpeculativeConfig, keys, "speculative_config.")
     if "model" in keys:  # a model implies its method; else the method must be named
         keys.setdefault("method", "draft_model")
     check_value("speculative_config.method", keys.get("method"), _METHOD)
-    return _related(keys, lambda key: f"speculative_config.{key}")
+    if keys["method"] == "ngram" and keys.get("model") is not None:
+        raise invalid("speculative_config.model", ": the ngram method takes no model")
+    most = keys.get("prompt_lookup_max", _DEFAULTS["prompt_lookup_max"])
+    least = keys.setdefault("prompt_lookup_min", min(_DEFAULTS["prompt_lookup_min"], most))
+    if least > most:
+        raise invalid("speculative_config.prompt_lookup_min",
+                      f" ({least}) must be at most prompt_lookup_max ({most})")  # fmt: skip
+    return SpeculativeConfig(**keys)
 
 
 def _as_dict(value: Mapping[str, Any] | str) -> dict[str, Any]:
@@ -125,34 +120,11 @@ def _as_dict(value: Mapping[str, Any] | str) -> dict[str, Any]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise InvalidInputError(
-                f"speculative_config: not valid JSON ({e})", "speculative_config"
-            ) from None
+            raise invalid("speculative_config", f": not valid JSON ({e})") from None
     if not isinstance(value, Mapping):
-        raise InvalidInputError(
-            f"speculative_config must be a JSON object (a dict), got {type(value).__name__}",
-            "speculative_config",
-        )
-    unknown = sorted(set(value) - set(_DEFAULTS))
-    if unknown:
-        raise InvalidInputError(
-            f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
-            + ", ".join(_DEFAULTS),
-            "speculative_config",
-        )
+        kind = type(value).__name__
+        raise invalid("speculative_config", f" must be a JSON object (a dict), got {kind}")
+    if unknown := ", ".join(map(repr, sorted(set(value) - set(_DEFAULTS)))):
+        known = ", ".join(_DEFAULTS)
+        raise invalid("speculative_config", f": unknown key(s) {unknown}; known: {known}")
     return dict(value)
-
-
-def _related(keys: dict[str, Any], name: Any) -> SpeculativeConfig:
-    """The checks between fields; ``name(key)`` is how the user spelled a field."""
-    if keys.get("method") == "ngram" and keys.get("model") is not None:
-        raise InvalidInputError(f"{name('model')}: the ngram method takes no model", name("model"))
-    lookup_max = keys.get("prompt_lookup_max", _DEFAULTS["prompt_lookup_max"])
-    keys.setdefault("prompt_lookup_min", min(_DEFAULTS["prompt_lookup_min"], lookup_max))
-    if keys["prompt_lookup_min"] > lookup_max:
-        raise InvalidInputError(
-            f"{name('prompt_lookup_min')} ({keys['prompt_lookup_min']}) must be at most "
-            f"prompt_lookup_max ({lookup_max})",
-            name("prompt_lookup_min"),
-        )
-    return SpeculativeConfig(**keys)
