@@ -11,6 +11,7 @@ CPU kernels: ``kern`` is this machine's build and, where the CPU has AVX-512, th
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,15 @@ from specbatch.testing.checkpoints import make_random_checkpoint
 # The tests run tiny models: one intra-op thread is as fast as two on them, and it keeps the
 # suite from oversubscribing the cores when Ray workers or parallel jobs share the machine.
 torch.set_num_threads(1)
+
+# Without CUDA, triton runs nothing, yet torch._dynamo imports it where it is installed (an
+# xgrammar dependency) the moment transformers' generation code is imported: the tests'
+# reference (``generate``) and their checkpoints. The engine's gc.freeze() then keeps triton's
+# objects alive past interpreter exit, and triton's bindings (nanobind) end every run with ~60
+# lines of "nanobind: leaked ...". Here torch is told there is no triton, as it would be on a
+# machine without it (``None`` in sys.modules makes ``import triton`` raise ImportError).
+if not torch.cuda.is_available():
+    sys.modules.setdefault("triton", None)
 
 
 @pytest.fixture(scope="session")
