@@ -35,5 +35,7 @@ DRAFTERS: dict[str, DrafterKind] = {
         DrafterKind("eagle3", "features", True, _EAGLE, reads_features=True),
         DrafterKind("ngram", "none", False, "specbatch.worker.ngram_proposer:NgramProposer",
                     samples=False),
+        DrafterKind("self_sparse", "none", False,
+                    "specbatch.worker.self_sparse_proposer:SelfSparseProposer"),
     )
 }  # fmt: skip

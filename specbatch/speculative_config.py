@@ -4,6 +4,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "eagle", "model": HEAD_DIR, "num_speculative_tokens": 3}   (or "eagle3")
     {"method": "eagle", "num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 8}   (trees)
+    {"method": "self_sparse", "num_speculative_tokens": 3, "window": 256, "sinks": 16}
 
 ``method`` may be left out when ``model`` is given, ``model`` for the built-in target (its own
 draft model and EAGLE head ship with it). The engine's ``SHORTHANDS`` set the same fields:
@@ -52,6 +53,10 @@ class SpeculativeConfig:
     tree_children: str = option(TREE_CHILDREN[0], "a tree's children: sampled (drawn from q "
         "without replacement, verified by recursive rejection sampling) or top (the topk most "
         "likely, verified by the walk)", choices=TREE_CHILDREN, flag=False)
+    sinks: int = option(16, "self_sparse: the first keys every draft pass sees (attention "
+        "sinks; whole KV blocks)", ge=0, flag=False)
+    window: int = option(256, "self_sparse: the last keys every draft pass sees (widened to "
+        "whole KV blocks)", ge=1, flag=False)
     # fmt: on
 
     @property
@@ -105,8 +110,12 @@ def normalise(value: Mapping[str, Any] | str | None, **shorthands: Any) -> Specu
     if "model" in keys:  # a model implies its method; else the method must be named
         keys.setdefault("method", "draft_model")
     check_value("speculative_config.method", keys.get("method"), _METHOD)
-    if keys["method"] == "ngram" and keys.get("model") is not None:
-        raise invalid("speculative_config.model", ": the ngram method takes no model")
+    method = keys["method"]
+    if not DRAFTERS[method].needs_model and keys.get("model") is not None:
+        raise invalid("speculative_config.model", f": the {method} method takes no model")
+    for key in ("sinks", "window"):
+        if key in keys and method != "self_sparse":
+            raise invalid(f"speculative_config.{key}", f": only self_sparse reads it, not {method}")
     most = keys.get("prompt_lookup_max", _DEFAULTS["prompt_lookup_max"])
     least = keys.setdefault("prompt_lookup_min", min(_DEFAULTS["prompt_lookup_min"], most))
     if least > most:
