@@ -74,6 +74,25 @@ def streaming_rate(nbytes: int) -> float:
     return nbytes / best
 
 
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every linear layer's (the kernels' packed copies
+    where they run) and the norms; the embedding table is only gathered from."""
+    total, seen = 0, set()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            total += packed.panels.numel() * packed.panels.element_size()
+            seen |= {p.data_ptr() for p in module.parameters(recurse=False)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
+            seen |= {p.data_ptr() for p in module.parameters(recurse=False)}
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
 def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict:
     """Decode ``prompts`` together; the steps after every request has its first token are timed."""
     engine = llm.engine
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
               max_num_batched_tokens=max(2048, most * 32))  # fmt: skip
     engine = llm.engine
     worker = engine.executor.worker
-    weight_bytes = sum(p.numel() * p.element_size() for p in worker.target.model.parameters())
+    weight_bytes = streamed_weight_bytes(worker.target.model)
     kv_bytes_per_token = worker.target.kv_bytes_per_block(1)
     spec_cfg = engine.config.speculative_config
     drafts, plain = FixedDraft(DraftShape.chain(args.draft_length)), FixedDraft(DraftShape())

@@ -181,3 +181,21 @@ def test_no_kv_block_is_spent_on_drafting(target):
 def test_bad_sparse_settings_name_the_key(target, spec, message):
     with pytest.raises(InvalidInputError, match=message):
         LLM(str(target), speculative_config={**SPARSE, **spec})
+
+
+def test_long_requests_on_a_pool_that_holds_two_preempt_and_lose_nothing(make_checkpoint):
+    target = make_checkpoint("llama", seed=11, max_position_embeddings=256)
+    prompts = [[(i * 11 + j * 5) % 256 for j in range(90 + 4 * i)] for i in range(6)]
+    ref = hf_greedy(target, prompts, 30)
+    spec = {**SPARSE, "num_speculative_tokens": 3}
+    # a request needs up to 34 blocks (124 + 30 tokens and the lookahead): two fit in 72
+    llm = LLM(str(target), speculative_config=spec, num_kv_blocks=72, block_size=BS,
+              max_model_len=160)  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
