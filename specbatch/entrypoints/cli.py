@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from specbatch import __version__
-from specbatch.entrypoints import bench, bench_serve, generate, serve, verify
+from specbatch.entrypoints import bench, bench_long_context, bench_serve, generate, serve, verify
 from specbatch.entrypoints.flags import flag
 from specbatch.entrypoints.signals import exit_status, sigterm_as_interrupt, what_happened
 from specbatch.errors import EngineError, InvalidInputError
@@ -38,7 +38,9 @@ def build_parser() -> CliParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     generate.add_parser(sub)
     verify.add_parser(sub)
-    bench_serve.add_serve_parser(bench.add_parser(sub))
+    modes = bench.add_parser(sub)
+    bench_serve.add_serve_parser(modes)
+    bench_long_context.add_parser(modes)
     serve.add_parser(sub)
     return parser
 

@@ -1,0 +1,253 @@
+"""The long-context load test (``specbatch bench long-context``): plain decoding against
+self-speculation over a sparse view of the KV cache, per (context length, batch size).
+
+One engine with the ``self_sparse`` drafter; in every cell the same prompts decode with drafting
+off (plain) and on, in alternation (``repeats`` pairs, the best of each kept), so the machine's
+drift falls on both alike. Prompts are distinct windows of real text (this interpreter's stdlib
+sources through the model's tokenizer), prefilled once per context length and reused by every
+cell through the prefix cache: decoding is timed apart from prefill.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specbatch import LLM, SamplingParams
+from specbatch.draft_shape import DraftShape
+from specbatch.scheduler.speculation import FixedDraft
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    model = fields.get("Model name", platform.processor()).strip()
+    fam, mod = fields.get("CPU family", "?").strip(), fields.get("Model", "?").strip()
+    return f"{model} (family {fam}, model {mod})"
+
+
+def documents(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` distinct windows of ``length`` tokens: each from its own stdlib file (files run
+    together where one is too short), so no two prompts share a prefix."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 20_000)
+    out: list[list[int]] = []
+    stream: list[int] = []
+    for path in files:
+        stream += tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+        if len(stream) >= length:
+            out.append(stream[:length])
+            stream = []
+            if len(out) == n:
+                return out
+    raise SystemExit(f"the stdlib under {root} holds too little text for {n} x {length} tokens")
+
+
+def streaming_rate(nbytes: int) -> float:
+    """Bytes a second one core reads from a buffer of ``nbytes`` (the best of five sums)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every linear layer's (the kernels' packed copies
+    where they run) and the norms; the embedding table is only gathered from."""
+    total, seen = 0, set()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            total += packed.panels.numel() * packed.panels.element_size()
+            seen |= {p.data_ptr() for p in module.parameters(recurse=False)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
+            seen |= {p.data_ptr() for p in module.parameters(recurse=False)}
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict:
+    """Decode ``prompts`` together; the steps after every request has its first token are timed."""
+    engine = llm.engine
+    spec = engine.metrics.spec
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request({"prompt_token_ids": p}, params, request_id=rid)
+    started = None
+    steps = 0
+    proposed, accepted, rounds = spec.proposed, spec.accepted, spec.rounds
+    while engine.has_unfinished_requests():
+        engine.step()
+        if started is None:
+            running = [engine.scheduler.requests.get(r) for r in ids]
+            if all(r is None or r.output_token_ids for r in running):
+                started, steps = time.perf_counter(), 0
+                proposed, accepted, rounds = spec.proposed, spec.accepted, spec.rounds
+        else:
+            steps += 1
+    seconds = time.perf_counter() - started
+    tokens = len(prompts) * (params.max_tokens - 1)
+    drafted = spec.proposed - proposed
+    return {
+        "tokens_per_s": tokens / seconds,
+        "tpot_ms": 1000 * seconds / (params.max_tokens - 1),
+        "step_ms": 1000 * seconds / max(steps, 1),
+        "alpha": (spec.accepted - accepted) / drafted if drafted else None,
+        "tokens_per_round": tokens / (spec.rounds - rounds) if drafted else None,
+    }
+
+
+@dataclass
+class LongContextConfig:
+    model: str
+    context_lens: list[int] = field(default_factory=lambda: [2000, 8000])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 16, 32])
+    output_len: int = 64
+    draft_length: int = 3
+    window: int | None = None  # None: the drafter's defaults
+    sinks: int | None = None
+    temperature: float = 0.0
+    repeats: int = 1
+    dtype: str = "bfloat16"
+
+
+def run_long_context(cfg: LongContextConfig, log=print) -> dict:
+    """Every (context, batch) cell; ``log`` gets a line as each finishes."""
+    most = max(cfg.batch_sizes)
+    longest = max(cfg.context_lens) + cfg.output_len + cfg.draft_length + 16
+    sparse = {"method": "self_sparse", "num_speculative_tokens": cfg.draft_length}
+    sparse |= {k: v for k, v in (("window", cfg.window), ("sinks", cfg.sinks)) if v is not None}
+    # every context's prompts stay in the prefix cache beside the running requests
+    blocks = int(1.1 * most * (len(cfg.context_lens) + 1) * -(-longest // 16)) + 64
+    llm = LLM(cfg.model, dtype=cfg.dtype, speculative_config=sparse, enable_prefix_caching=True,
+              max_num_seqs=most, max_model_len=longest, num_kv_blocks=blocks, block_size=16,
+              max_num_batched_tokens=max(2048, most * 32))  # fmt: skip
+    engine = llm.engine
+    worker = engine.executor.worker
+    weight_bytes = streamed_weight_bytes(worker.target.model)
+    kv_bytes = worker.target.kv_bytes_per_block(1)
+    spec = engine.config.speculative_config
+    drafts, plain = FixedDraft(DraftShape.chain(cfg.draft_length)), FixedDraft(DraftShape())
+    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len,
+                            ignore_eos=True, seed=0)  # fmt: skip
+    meta = {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "model": cfg.model,
+            "dtype": cfg.dtype, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
+            "draft_length": cfg.draft_length, "sinks": spec.sinks,
+            "window": spec.window}  # fmt: skip
+    log(
+        f"CPU: {meta['cpu']}; {meta['torch_threads']} torch thread(s); {cfg.model} in "
+        f"{cfg.dtype}: {weight_bytes / 1e6:.0f} MB of weights a step, {kv_bytes} B of KV a "
+        f"token; self_sparse k={cfg.draft_length} sinks={spec.sinks} window={spec.window}"
+    )
+    rows = []
+    for context in cfg.context_lens:
+        prompts = documents(llm.get_tokenizer(), most, context)
+        t = time.perf_counter()
+        engine.scheduler.policy = plain
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(max_tokens=1), use_tqdm=False)  # fmt: skip
+        prefill = time.perf_counter() - t
+        log(
+            f"context {context}: prefill of {most} prompts {prefill:.1f} s "
+            f"({most * context / prefill:.0f} tokens/s)"
+        )
+        for batch in cfg.batch_sizes:
+            step_bytes = weight_bytes + batch * context * kv_bytes
+            rate = streaming_rate(min(step_bytes, 1 << 30))
+            runs: dict[str, list[dict]] = {"plain": [], "self_sparse": []}
+            for r in range(cfg.repeats):
+                for name, policy in (("plain", plain), ("self_sparse", drafts)):
+                    engine.scheduler.policy = policy
+                    runs[name].append(
+                        decode(llm, prompts[:batch], params, f"{context}-{batch}-{name}-{r}")
+                    )
+            p, s = (max(v, key=lambda m: m["tokens_per_s"]) for v in runs.values())
+            row = {
+                "context": context, "batch": batch, "prefill_s": prefill,
+                "plain_tokens_per_s": p["tokens_per_s"], "sparse_tokens_per_s": s["tokens_per_s"],
+                "plain_tpot_ms": p["tpot_ms"], "sparse_tpot_ms": s["tpot_ms"],
+                "speedup": s["tokens_per_s"] / p["tokens_per_s"], "alpha": s["alpha"],
+                "tokens_per_round": s["tokens_per_round"], "plain_step_ms": p["step_ms"],
+                "sparse_step_ms": s["step_ms"],
+                "predicted_plain_step_ms": 1000 * step_bytes / rate,
+                "plain_gb_per_s": step_bytes / (p["step_ms"] / 1000) / 1e9,
+                "stream_gb_per_s": rate / 1e9, "runs": runs,
+            }  # fmt: skip
+            rows.append(row)
+            log(format_row(row))
+    return {"meta": meta, "cells": rows, "crossover": crossover(rows)}
+
+
+def crossover(rows: list[dict]) -> dict[int, int | None]:
+    """Per context length, the smallest batch size where self_sparse made less than plain
+    decoding (None: it paid at every batch size measured)."""
+    out: dict[int, int | None] = {}
+    for row in sorted(rows, key=lambda r: (r["context"], r["batch"])):
+        out.setdefault(row["context"], None)
+        if out[row["context"]] is None and row["speedup"] < 1.0:
+            out[row["context"]] = row["batch"]
+    return out
+
+
+HEADER = ("context", "batch", "plain tok/s", "sparse tok/s", "speedup", "alpha", "tok/round",
+          "plain TPOT ms", "sparse TPOT ms", "plain step ms", "predicted", "GB/s",
+          "stream GB/s")  # fmt: skip
+
+
+def format_row(r: dict) -> str:
+    cells = (r["context"], r["batch"], f"{r['plain_tokens_per_s']:.1f}",
+             f"{r['sparse_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['alpha'] or 0:.2f}",
+             f"{r['tokens_per_round'] or 0:.2f}", f"{r['plain_tpot_ms']:.1f}",
+             f"{r['sparse_tpot_ms']:.1f}", f"{r['plain_step_ms']:.1f}",
+             f"{r['predicted_plain_step_ms']:.1f}", f"{r['plain_gb_per_s']:.1f}",
+             f"{r['stream_gb_per_s']:.1f}")  # fmt: skip
+    return " | ".join(str(c) for c in cells)
+
+
+def format_table(result: dict) -> str:
+    lines = [" | ".join(HEADER), " | ".join("---" for _ in HEADER)]
+    lines += [format_row(r) for r in result["cells"]]
+    cross = ", ".join(f"{c}: {b if b else 'none measured'}" for c, b in result["crossover"].items())
+    return "\n".join(
+        [*lines, f"crossover batch size (self_sparse below plain), by context: {cross}"]
+    )
+
+
+def plot(result: dict, path: Path) -> None:
+    """Throughput against time per output token, a curve per context and decoding mode, each
+    point a batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for context in sorted({r["context"] for r in result["cells"]}):
+        cells = sorted((r for r in result["cells"] if r["context"] == context),
+                       key=lambda r: r["batch"])  # fmt: skip
+        for mode, style in (("plain", "--o"), ("sparse", "-s")):
+            xs = [r[f"{mode}_tpot_ms"] for r in cells]
+            ys = [r[f"{mode}_tokens_per_s"] for r in cells]
+            (line,) = ax.plot(xs, ys, style, label=f"{context} tokens, {mode}")
+            for r, x, y in zip(cells, xs, ys, strict=True):
+                ax.annotate(f"B={r['batch']}", (x, y), fontsize=7, color=line.get_color())
+    ax.set_xlabel("time per output token (ms)")
+    ax.set_ylabel("decoding tokens/s")
+    ax.set_title(f"{Path(result['meta']['model']).name}: plain vs self_sparse")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,42 @@
+"""``specbatch bench long-context`` end to end on a tiny checkpoint: every cell measured, the
+report, JSON and PNG written; bad flags named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specbatch.entrypoints.cli import main
+
+
+def test_long_context_bench_measures_every_cell(tiny_llama_checkpoint, tmp_path, capsys):
+    out = tmp_path / "lc"
+    args = ["bench", "long-context", "--model", str(tiny_llama_checkpoint), "--context-lens",
+            "40", "90", "--batch-sizes", "1", "3", "--output-len", "6", "--window", "16",
+            "--sinks", "4", "--dtype", "float32", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    cells = {(c["context"], c["batch"]) for c in result["cells"]}
+    assert cells == {(40, 1), (40, 3), (90, 1), (90, 3)}
+    for c in result["cells"]:
+        assert c["plain_tokens_per_s"] > 0 and c["sparse_tokens_per_s"] > 0
+        assert 0.0 <= c["alpha"] <= 1.0 and c["tokens_per_round"] >= 1.0
+        assert len(c["runs"]["plain"]) == len(c["runs"]["self_sparse"]) == 1
+    assert set(result["crossover"]) == {"40", "90"}
+    assert result["meta"]["window"] == 16 and result["meta"]["sinks"] == 4
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "crossover batch size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--context-lens", "0"], "--context-lens: each must be >= 1"),
+        (["--output-len", "1"], "--output-len: must be >= 2"),
+        (["--window", "0"], "speculative_config.window"),
+    ],
+)
+def test_bad_long_context_flags_are_named(tiny_llama_checkpoint, flags, message, capsys):
+    assert main(["bench", "long-context", "--model", str(tiny_llama_checkpoint), *flags]) == 2
+    assert message in capsys.readouterr().err
