@@ -19,6 +19,19 @@ def hf_model(path: Path | str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """``llm``'s greedy outputs of ``prompts`` (token ids), checking every KV block came back."""
+    from specbatch import SamplingParams
+
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @torch.inference_mode()
 def hf_greedy(path: Path | str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy ``generate``, one prompt at a time (no padding effects)."""

@@ -18,7 +18,13 @@ from specbatch.errors import InvalidInputError
 from specbatch.model.layers.attention import TorchAttentionBackend
 from specbatch.model.layers.cpu_attention import CpuAttentionBackend
 from specbatch.worker.sparse_view import sparse_view
-from tests.helpers import exact_joint, exactness_target, hf_greedy, random_paged_batch
+from tests.helpers import (
+    exact_joint,
+    exactness_target,
+    greedy_token_ids,
+    hf_greedy,
+    random_paged_batch,
+)
 from tests.test_cpu_attention import to_cpu_layout
 from tests.test_exactness import ALPHA, assert_matches
 
@@ -113,13 +119,7 @@ def test_greedy_past_the_window_equals_transformers(make_checkpoint, backend, sh
     spec = {**SPARSE, "num_speculative_tokens": 3, **(TREE if shape == "tree" else {})}
     llm = LLM(str(target), speculative_config=spec, attention_backend=backend,
               num_kv_blocks=128, block_size=BS, max_model_len=256)  # fmt: skip
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-        use_tqdm=False,
-    )
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+    assert greedy_token_ids(llm, prompts, 30) == ref
     assert llm.engine.metrics.spec.proposed > 0
 
 
@@ -191,11 +191,5 @@ def test_long_requests_on_a_pool_that_holds_two_preempt_and_lose_nothing(make_ch
     # a request needs up to 34 blocks (124 + 30 tokens and the lookahead): two fit in 72
     llm = LLM(str(target), speculative_config=spec, num_kv_blocks=72, block_size=BS,
               max_model_len=160)  # fmt: skip
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-        use_tqdm=False,
-    )
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert greedy_token_ids(llm, prompts, 30) == ref
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks

@@ -19,7 +19,13 @@ from specbatch import LLM, SamplingParams
 from specbatch.draft_shape import DraftShape
 from specbatch.testing.eagle_heads import make_eagle_head
 from specbatch.worker import draft_tree, worker
-from tests.helpers import exact_joint, exactness_target, hf_greedy, make_perturbed_draft
+from tests.helpers import (
+    exact_joint,
+    exactness_target,
+    greedy_token_ids,
+    hf_greedy,
+    make_perturbed_draft,
+)
 from tests.test_exactness import assert_matches
 
 VERIFY_TREE = worker.verify_tree
@@ -141,13 +147,7 @@ def test_narrow_deep_trees_equal_transformers_within_the_slots_they_reserve(
         verified = TreeSpy(monkeypatch, shape)
         llm = LLM(str(target), speculative_config=spec_of(shape, method, model),
                   num_kv_blocks=64, block_size=2, max_model_len=128)  # fmt: skip
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            use_tqdm=False,
-        )
-        assert [o.outputs[0].token_ids for o in outs] == ref, shape
-        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        assert greedy_token_ids(llm, prompts, 24) == ref, shape
         assert verified.rounds > 0
         assert shape.lookahead == max(*written, shape.nodes), shape
 

@@ -14,7 +14,13 @@ import torch
 
 from specbatch import LLM, SamplingParams
 from specbatch.testing.eagle_heads import make_eagle_head
-from tests.helpers import exact_joint, exactness_target, hf_greedy, make_perturbed_draft
+from tests.helpers import (
+    exact_joint,
+    exactness_target,
+    greedy_token_ids,
+    hf_greedy,
+    make_perturbed_draft,
+)
 from tests.test_exactness import PROMPT, VOCAB, assert_matches, sample_sequences
 
 N = 14_000
@@ -120,13 +126,7 @@ def test_greedy_tree_output_equals_transformers(make_checkpoint, tmp_path, arch,
         spec = {"method": method, "model": str(model), "num_speculative_tokens": 4, **shape}
         llm = LLM(str(target), speculative_config=spec, attention_backend=backend,
                   num_kv_blocks=64, block_size=4, max_model_len=128)  # fmt: skip
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            use_tqdm=False,
-        )
-        assert [o.outputs[0].token_ids for o in outs] == ref
-        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        assert greedy_token_ids(llm, prompts, 24) == ref
         if method == "draft_model":
             assert llm.engine.metrics.spec.mean_tokens_per_round > 2.0
 
