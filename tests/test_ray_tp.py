@@ -6,11 +6,11 @@ pair is a tiny target (vocab 32, 4 query / 2 KV heads, so TP=2 divides everythin
 perturbed copy of it as the draft; the exactness machinery is ``test_exactness``'s.
 
 What is checked: TP=2 outputs are token-identical to TP=1 (greedy and seeded sampling, with and
-without speculation, the draft replicated or sharded); the sampled joint is the target's
-(chi-square, one gamma and temperature); one Ray round per engine step; bad sizes fail before
-anything loads; a killed or hung worker turns into ``EngineError`` within the bound; no KV block
-leaks; after shutdown (or a failure) the actors and the placement group are gone; the CLI joins
-an existing cluster by address.
+without speculation, the draft replicated or sharded, self_sparse on the target's shards); the
+sampled joint is the target's (chi-square, one gamma and temperature); one Ray round per engine
+step; bad sizes fail before anything loads; a killed or hung worker turns into ``EngineError``
+within the bound; no KV block leaks; after shutdown (or a failure) the actors and the placement
+group are gone; the CLI joins an existing cluster by address.
 """
 
 from __future__ import annotations
@@ -114,11 +114,11 @@ def engines(pair, ray_cluster) -> Iterator[Any]:
                     seed=SEED, tensor_parallel_size=tp, max_num_seqs=256, num_kv_blocks=512,
                     block_size=4, max_model_len=64,
                 )  # fmt: skip
-            elif name == "ngram":
+            elif name in ("ngram", "self_sparse"):
+                keys = {"prompt_lookup_min": 1} if name == "ngram" else {"window": 8, "sinks": 4}
                 built[name, tp] = LLM(
                     str(pair[0]),
-                    speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA,
-                                        "prompt_lookup_min": 1},
+                    speculative_config={"method": name, "num_speculative_tokens": GAMMA, **keys},
                     seed=SEED, tensor_parallel_size=tp, max_num_seqs=256, num_kv_blocks=512,
                     block_size=4, max_model_len=64,
                 )  # fmt: skip
@@ -179,14 +179,14 @@ def _process_alive(pid: int) -> bool:
 
 
 # ---- outputs equal TP=1 --------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["plain", "spec", "ngram", "eagle"])
+@pytest.mark.parametrize("name", ["plain", "spec", "ngram", "eagle", "self_sparse"])
 def test_greedy_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), GREEDY) == token_ids(engines(name, 1), GREEDY)
-    if name in ("ngram", "eagle"):
+    if name in ("ngram", "eagle", "self_sparse"):
         assert engines(name, 2).engine.metrics.spec.proposed > 0
 
 
-@pytest.mark.parametrize("name", ["plain", "spec", "ngram", "eagle"])
+@pytest.mark.parametrize("name", ["plain", "spec", "ngram", "eagle", "self_sparse"])
 def test_seeded_sampling_tp2_equals_tp1(engines, name: str) -> None:
     assert token_ids(engines(name, 2), SEEDED) == token_ids(engines(name, 1), SEEDED)
 
