@@ -114,7 +114,7 @@ def normalise(value: Mapping[str, Any] | str | None, **shorthands: Any) -> Specu
     if not DRAFTERS[method].needs_model and keys.get("model") is not None:
         raise invalid("speculative_config.model", f": the {method} method takes no model")
     for key in ("sinks", "window"):
-        if key in keys and method != "self_sparse":
+        if keys.get(key, _DEFAULTS[key]) != _DEFAULTS[key] and method != "self_sparse":
             raise invalid(f"speculative_config.{key}", f": only self_sparse reads it, not {method}")
     most = keys.get("prompt_lookup_max", _DEFAULTS["prompt_lookup_max"])
     least = keys.setdefault("prompt_lookup_min", min(_DEFAULTS["prompt_lookup_min"], most))

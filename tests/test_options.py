@@ -145,6 +145,7 @@ def drafters(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Temp
         "eagle": str(make_eagle_head(heads / "eagle", target, "eagle")),
         "eagle3": str(make_eagle_head(heads / "eagle3", target, "eagle3")),
         "ngram": None,
+        "self_sparse": None,
     }
 
 

@@ -176,11 +176,12 @@ def test_no_kv_block_is_spent_on_drafting(target):
         ({"sinks": -1}, "speculative_config.sinks"),
         ({"model": "x"}, "speculative_config.model"),
         ({"method": "ngram", "sinks": 0}, "speculative_config.sinks: only self_sparse"),
+        ({"method": "ngram", "window": 64}, "speculative_config.window: only self_sparse"),
     ],
 )
 def test_bad_sparse_settings_name_the_key(target, spec, message):
     with pytest.raises(InvalidInputError, match=message):
-        LLM(str(target), speculative_config={**SPARSE, **spec})
+        LLM(str(target), speculative_config=spec if "method" in spec else {**SPARSE, **spec})
 
 
 def test_long_requests_on_a_pool_that_holds_two_preempt_and_lose_nothing(make_checkpoint):
