@@ -80,33 +80,42 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> dict:
-    """Decode ``prompts`` together; the steps after every request has its first token are timed."""
+    """Decode ``prompts`` together, timing the steady state: from the step after which every
+    request has its first token to the last step after which none has finished (a batch
+    whose requests finish at different steps would otherwise charge its tail, a few requests
+    decoding alone, to whichever mode finishes less evenly)."""
     engine = llm.engine
     spec = engine.metrics.spec
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request({"prompt_token_ids": p}, params, request_id=rid)
-    started = None
+    start = last = None  # (time, tokens so far, steps, proposed, accepted, rounds)
     steps = 0
-    proposed, accepted, rounds = spec.proposed, spec.accepted, spec.rounds
     while engine.has_unfinished_requests():
         engine.step()
-        if started is None:
-            running = [engine.scheduler.requests.get(r) for r in ids]
-            if all(r is None or r.output_token_ids for r in running):
-                started, steps = time.perf_counter(), 0
-                proposed, accepted, rounds = spec.proposed, spec.accepted, spec.rounds
-        else:
-            steps += 1
-    seconds = time.perf_counter() - started
-    tokens = len(prompts) * (params.max_tokens - 1)
-    drafted = spec.proposed - proposed
+        steps += 1
+        running = [engine.scheduler.requests.get(r) for r in ids]
+        if any(r is None or r.is_finished for r in running):
+            if start is not None:
+                break
+            continue
+        tokens = sum(len(r.output_token_ids) for r in running)
+        now = (time.perf_counter(), tokens, steps, spec.proposed, spec.accepted, spec.rounds)
+        if start is None:
+            start = now
+        last = now
+    while engine.has_unfinished_requests():
+        engine.step()
+    if start is None or last is None or last[2] == start[2]:
+        raise ValueError("decode: too few steps with every request running; raise output_len")
+    seconds, tokens, n_steps = last[0] - start[0], last[1] - start[1], last[2] - start[2]
+    drafted, accepted, rounds = (last[i] - start[i] for i in (3, 4, 5))
     return {
         "tokens_per_s": tokens / seconds,
-        "tpot_ms": 1000 * seconds / (params.max_tokens - 1),
-        "step_ms": 1000 * seconds / max(steps, 1),
-        "alpha": (spec.accepted - accepted) / drafted if drafted else None,
-        "tokens_per_round": tokens / (spec.rounds - rounds) if drafted else None,
+        "tpot_ms": 1000 * seconds * len(prompts) / tokens,
+        "step_ms": 1000 * seconds / n_steps,
+        "alpha": accepted / drafted if drafted else None,
+        "tokens_per_round": tokens / rounds if rounds else None,
     }
 
 
