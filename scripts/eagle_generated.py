@@ -5,6 +5,8 @@ training on them too puts the head where it works."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -20,6 +22,8 @@ def sample_continuations(
     out = windows.to(device=device, dtype=torch.int64).clone()
     length = out.shape[1]
     hi = min(max_prompt, length - 1)
+    # transformers 5 names the cache ``cache`` (``past_key_values`` still works, with a warning)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     for start in range(0, len(out), batch):
         rows = out[start : start + batch]
         prompt = int(torch.randint(min_prompt, hi + 1, (1,), generator=gen, device=device))
@@ -29,8 +33,6 @@ def sample_continuations(
             rows[:, t] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             if t + 1 < length:
                 step = model(
-                    input_ids=rows[:, t : t + 1],
-                    past_key_values=step.past_key_values,
-                    use_cache=True,
+                    input_ids=rows[:, t : t + 1], use_cache=True, **{name: getattr(step, name)}
                 )
     return out
