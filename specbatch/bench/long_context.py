@@ -2,8 +2,9 @@
 self-speculation over a sparse view of the KV cache, per (context length, batch size).
 
 One engine with the ``self_sparse`` drafter; in every cell the same prompts decode with drafting
-off (plain) and on, in alternation (``repeats`` pairs, the best of each kept), so the machine's
-drift falls on both alike. Prompts are distinct windows of real text (this interpreter's stdlib
+off (plain), with ``auto`` (the engine's own policy, up to the fixed length) and with the fixed
+length, in turns (``repeats`` rounds, the best of each kept), so the machine's drift falls on all
+alike. Prompts are distinct windows of real text (this interpreter's stdlib
 sources through the model's tokenizer), prefilled once per context length and reused by every
 cell through the prefix cache: decoding is timed apart from prefill.
 """
@@ -137,7 +138,9 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
     """Every (context, batch) cell; ``log`` gets a line as each finishes."""
     most = max(cfg.batch_sizes)
     longest = max(cfg.context_lens) + cfg.output_len + cfg.draft_length + 16
-    sparse = {"method": "self_sparse", "num_speculative_tokens": cfg.draft_length}
+    # auto up to the fixed length: the engine's own policy, kept beside the fixed ones below
+    sparse = {"method": "self_sparse", "num_speculative_tokens": "auto",
+              "max_draft_length": cfg.draft_length}  # fmt: skip
     sparse |= {k: v for k, v in (("window", cfg.window), ("sinks", cfg.sinks)) if v is not None}
     # every context's prompts stay in the prefix cache beside the running requests
     blocks = int(1.1 * most * (len(cfg.context_lens) + 1) * -(-longest // 16)) + 64
@@ -149,7 +152,8 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
     weight_bytes = streamed_weight_bytes(worker.target.model)
     kv_bytes = worker.target.kv_bytes_per_block(1)
     spec = engine.config.speculative_config
-    drafts, plain = FixedDraft(DraftShape.chain(cfg.draft_length)), FixedDraft(DraftShape())
+    policies = {"plain": FixedDraft(DraftShape()), "auto": engine.scheduler.policy,
+                "self_sparse": FixedDraft(DraftShape.chain(cfg.draft_length))}  # fmt: skip
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len,
                             ignore_eos=True, seed=0)  # fmt: skip
     meta = {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "model": cfg.model,
@@ -165,7 +169,7 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
     for context in cfg.context_lens:
         prompts = documents(llm.get_tokenizer(), most, context)
         t = time.perf_counter()
-        engine.scheduler.policy = plain
+        engine.scheduler.policy = policies["plain"]
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(max_tokens=1), use_tqdm=False)  # fmt: skip
         prefill = time.perf_counter() - t
@@ -176,21 +180,22 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
         for batch in cfg.batch_sizes:
             step_bytes = weight_bytes + batch * context * kv_bytes
             rate = streaming_rate(min(step_bytes, 1 << 30))
-            runs: dict[str, list[dict]] = {"plain": [], "self_sparse": []}
+            runs: dict[str, list[dict]] = {name: [] for name in policies}
             for r in range(cfg.repeats):
-                for name, policy in (("plain", plain), ("self_sparse", drafts)):
+                for name, policy in policies.items():
                     engine.scheduler.policy = policy
                     runs[name].append(
                         decode(llm, prompts[:batch], params, f"{context}-{batch}-{name}-{r}")
                     )
-            p, s = (max(v, key=lambda m: m["tokens_per_s"]) for v in runs.values())
+            p, a, s = (max(runs[k], key=lambda m: m["tokens_per_s"]) for k in policies)
             row = {
                 "context": context, "batch": batch, "prefill_s": prefill,
                 "plain_tokens_per_s": p["tokens_per_s"], "sparse_tokens_per_s": s["tokens_per_s"],
                 "plain_tpot_ms": p["tpot_ms"], "sparse_tpot_ms": s["tpot_ms"],
                 "speedup": s["tokens_per_s"] / p["tokens_per_s"], "alpha": s["alpha"],
                 "tokens_per_round": s["tokens_per_round"], "plain_step_ms": p["step_ms"],
-                "sparse_step_ms": s["step_ms"],
+                "sparse_step_ms": s["step_ms"], "auto_tokens_per_s": a["tokens_per_s"],
+                "auto_tpot_ms": a["tpot_ms"], "auto_speedup": a["tokens_per_s"] / p["tokens_per_s"],
                 "predicted_plain_step_ms": 1000 * step_bytes / rate,
                 "plain_gb_per_s": step_bytes / (p["step_ms"] / 1000) / 1e9,
                 "stream_gb_per_s": rate / 1e9, "runs": runs,
@@ -211,14 +216,16 @@ def crossover(rows: list[dict]) -> dict[int, int | None]:
     return out
 
 
-HEADER = ("context", "batch", "plain tok/s", "sparse tok/s", "speedup", "alpha", "tok/round",
+HEADER = ("context", "batch", "plain tok/s", "sparse tok/s", "speedup", "auto tok/s", "auto",
+          "alpha", "tok/round",
           "plain TPOT ms", "sparse TPOT ms", "plain step ms", "predicted", "GB/s",
           "stream GB/s")  # fmt: skip
 
 
 def format_row(r: dict) -> str:
     cells = (r["context"], r["batch"], f"{r['plain_tokens_per_s']:.1f}",
-             f"{r['sparse_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['alpha'] or 0:.2f}",
+             f"{r['sparse_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+             f"{r['auto_tokens_per_s']:.1f}", f"{r['auto_speedup']:.2f}x", f"{r['alpha'] or 0:.2f}",
              f"{r['tokens_per_round'] or 0:.2f}", f"{r['plain_tpot_ms']:.1f}",
              f"{r['sparse_tpot_ms']:.1f}", f"{r['plain_step_ms']:.1f}",
              f"{r['predicted_plain_step_ms']:.1f}", f"{r['plain_gb_per_s']:.1f}",
@@ -247,7 +254,7 @@ def plot(result: dict, path: Path) -> None:
     for context in sorted({r["context"] for r in result["cells"]}):
         cells = sorted((r for r in result["cells"] if r["context"] == context),
                        key=lambda r: r["batch"])  # fmt: skip
-        for mode, style in (("plain", "--o"), ("sparse", "-s")):
+        for mode, style in (("plain", "--o"), ("sparse", "-s"), ("auto", ":^")):
             xs = [r[f"{mode}_tpot_ms"] for r in cells]
             ys = [r[f"{mode}_tokens_per_s"] for r in cells]
             (line,) = ax.plot(xs, ys, style, label=f"{context} tokens, {mode}")

@@ -3,11 +3,12 @@ of the KV cache, per (context length, batch size), on long documents of real tex
 
 Prompts are distinct windows of this interpreter's stdlib sources through the model's tokenizer,
 prefilled once per context length and reused by every cell through the prefix cache; decoding is
-timed apart from prefill. Reported per cell: decoding tokens/s and time per output token for
-both, the speedup, alpha, tokens per round, a plain step's time beside the memory-bound
-prediction (the weights and the cache it reads over one core's streaming rate, measured here)
-and the bytes a second it reached; then the crossover batch size per context length. Writes
-OUT.json and OUT.png (throughput against time per output token, a curve per context).
+timed apart from prefill. Reported per cell: decoding tokens/s and time per output token plain,
+with self_sparse at the fixed length and with ``auto`` up to it, the speedups, alpha, tokens per
+round, a plain step's time beside the memory-bound prediction (the weights and the cache it
+reads over one core's streaming rate, measured here) and the bytes a second it reached; then
+the crossover batch size per context length. Writes OUT.json and OUT.png (throughput against
+time per output token, a curve per context and mode).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from specbatch.errors import invalid
 def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser(
         "long-context",
-        help="plain decoding against self_sparse at long contexts and growing batch sizes",
+        help="plain decoding against self_sparse (fixed and auto) at long contexts",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
