@@ -15,9 +15,6 @@ import torch
 
 from specbatch.scheduler.output import ScheduledRequest
 from specbatch.worker.draft_roots import DraftPass, Roots
-
-# re-exported: eagle_proposer.py takes padded_tables (with Roots) from here
-from specbatch.worker.draft_roots import padded_tables as padded_tables
 from specbatch.worker.draft_tree import TreeGrower
 from specbatch.worker.model_runner import ForwardInputs, build_inputs
 from specbatch.worker.proposal import Proposal

@@ -23,17 +23,11 @@ from specbatch.model.eagle import TargetParts, load_eagle_head
 from specbatch.model.layers.backend_choice import select_backend
 from specbatch.model.llama import head_dim_of
 from specbatch.scheduler.output import ScheduledRequest
-from specbatch.worker.draft_loop import (
-    CatchUp,
-    Roots,
-    catch_up,
-    drafting,
-    grow,
-    padded_tables,
-    placed,
-)
+from specbatch.worker.draft_loop import CatchUp, catch_up, drafting, grow, placed
+from specbatch.worker.draft_roots import Roots, padded_tables
 from specbatch.worker.model_runner import ForwardInputs, ModelRunner, copy_blocks
-from specbatch.worker.proposer import Drafter, DraftRound, Proposal, RoundOutcome
+from specbatch.worker.proposal import Proposal
+from specbatch.worker.proposer import Drafter, DraftRound, RoundOutcome
 
 
 class EagleProposer(Drafter):

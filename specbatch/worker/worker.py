@@ -40,7 +40,8 @@ from specbatch.worker.grammar_masks import RequestGrammar, StepGrammars
 from specbatch.worker.logprobs import emitted_logprobs, position_logprobs
 from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.penalties import History, Penalties
-from specbatch.worker.proposer import DraftRound, Proposal, RoundOutcome, TargetPass
+from specbatch.worker.proposal import Proposal
+from specbatch.worker.proposer import DraftRound, RoundOutcome, TargetPass
 from specbatch.worker.rejection_sampler import greedy_walk, rejection_sample
 from specbatch.worker.round_layout import RoundLayout
 from specbatch.worker.sampler import SamplingTensors, logits_to_probs
