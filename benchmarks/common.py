@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from specbatch.bench.machine import cpu_model
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench_results"
 
@@ -22,22 +24,6 @@ def set_threads(threads: int | None) -> int:
     n = threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-def _cpu_model() -> str:
-    """The CPU's name with its family and model numbers ("AMD EPYC" alone does not tell a
-    Zen 4 from a Zen 5)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or "unknown"
-    if "cpu family" in fields:
-        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    return name
 
 
 def _git(*args: str) -> str | None:
@@ -56,7 +42,7 @@ def machine_info() -> dict[str, Any]:
 
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "specbatch")
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "load_average_1m": os.getloadavg()[0],

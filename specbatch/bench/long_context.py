@@ -11,8 +11,6 @@ cell through the prefix cache: decoding is timed apart from prefill.
 
 from __future__ import annotations
 
-import platform
-import subprocess
 import sysconfig
 import time
 from dataclasses import dataclass, field
@@ -21,16 +19,9 @@ from pathlib import Path
 import torch
 
 from specbatch import LLM, SamplingParams
+from specbatch.bench.machine import cpu_model
 from specbatch.draft_shape import DraftShape
 from specbatch.scheduler.speculation import FixedDraft
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    model = fields.get("Model name", platform.processor()).strip()
-    fam, mod = fields.get("CPU family", "?").strip(), fields.get("Model", "?").strip()
-    return f"{model} (family {fam}, model {mod})"
 
 
 def documents(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -156,7 +147,7 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
                 "self_sparse": FixedDraft(DraftShape.chain(cfg.draft_length))}  # fmt: skip
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.output_len,
                             ignore_eos=True, seed=0)  # fmt: skip
-    meta = {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "model": cfg.model,
+    meta = {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "model": cfg.model,
             "dtype": cfg.dtype, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes,
             "draft_length": cfg.draft_length, "sinks": spec.sinks,
             "window": spec.window}  # fmt: skip

@@ -56,6 +56,7 @@ from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
 from specbatch.bench.cells import CellResult, compare_with_plain, crossover, pool_runs
 from specbatch.bench.drafts import Draft, order
 from specbatch.bench.engines import build_engine, share_weights
+from specbatch.bench.machine import machine_facts
 from specbatch.bench.workload import (
     build_workload,
     shared_prefix,
@@ -87,23 +88,6 @@ class BenchResult:
     summary: dict[str, Any]
     machine: dict[str, Any]
     wall_s: float
-
-
-def machine_facts() -> dict[str, Any]:
-    import os
-    import platform
-
-    import torch
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "platform": platform.platform(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
