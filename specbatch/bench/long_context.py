@@ -21,6 +21,7 @@ import torch
 from specbatch import LLM, SamplingParams
 from specbatch.bench.machine import cpu_model
 from specbatch.draft_shape import DraftShape
+from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from specbatch.scheduler.speculation import FixedDraft
 
 
@@ -53,20 +54,24 @@ def streaming_rate(nbytes: int) -> float:
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every linear layer's (the kernels' packed copies
-    where they run) and the norms; the embedding table is only gathered from."""
-    total, seen = 0, set()
+    """Bytes of weights a decode step reads: every layer's weights once (the kernels' packed
+    copies where they run), the LM head included, but not the input embedding table, which a
+    step only gathers rows from (unless the head is tied to it)."""
+    total, packed_params, head, table = 0, set(), set(), set()
     for module in model.modules():
+        own = {p.data_ptr() for p in module.parameters(recurse=False)}
         packed = getattr(module, "packed", None)
         if packed is not None:
             total += packed.panels.numel() * packed.panels.element_size()
-            seen |= {p.data_ptr() for p in module.parameters(recurse=False)}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
-            seen |= {p.data_ptr() for p in module.parameters(recurse=False)}
+            packed_params |= own
+        if isinstance(module, ParallelLMHead):
+            head |= own
+        elif isinstance(module, VocabParallelEmbedding):
+            table |= own
+    skip = packed_params | (table - head)  # a table tied to the head is read as the head
     for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
+        if p.data_ptr() not in skip:
+            skip.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
 
