@@ -8,8 +8,8 @@ target's cache at the lookahead slots P .. (which the scheduler reserves for the
 target's verification pass, which follows in the same step, overwrites P .. P + nodes, and any
 slot past those lies beyond the tokens the round can accept. Slots before P are only read.
 
-A request drafts only when the target has computed every position before its root (one token
-to process this step); a request finishing a prompt chunk in this step drafts from the next.
+The scheduler gives drafts only to requests with one token to process (their root), so the
+target has computed every position the view reads.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class SelfSparseProposer(Drafter):
         self.sinks, self.window = spec.sinks, spec.window
 
     def propose(self, step: DraftRound) -> Proposal:
-        active = [i for i in drafting(step) if len(step.sampling[i].target_token_ids) == 1]
+        active = drafting(step)
         if not active:
             return step.empty_proposal(self.device)
         reqs = [step.sampling[i] for i in active]
