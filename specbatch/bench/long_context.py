@@ -22,6 +22,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.bench.machine import cpu_model
 from specbatch.draft_shape import DraftShape
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from specbatch.scheduler.draft_controller import DraftController
 from specbatch.scheduler.speculation import FixedDraft
 
 
@@ -116,6 +117,19 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
     }
 
 
+def predicted_step_ms(
+    policy: object, batch: int, context: int, shape: DraftShape, temperature: float
+) -> float | None:
+    """What ``auto``'s cost model expects a step of ``batch`` requests at ``context`` tokens
+    drafting ``shape`` each to take (None: the policy is not auto's, or has priced nothing)."""
+    if not isinstance(policy, DraftController):
+        return None
+    cls = (0.0, 1.0, 0, 0.0) if temperature == 0 else (temperature, 1.0, 0, 0.0)
+    behind = {cls: float(batch) if shape.nodes else 0.0}  # its first pass: a row a request
+    seconds = policy.seconds({cls: batch}, {cls: shape}, 0, behind, None, {cls: float(context)})
+    return None if seconds is None else 1000 * seconds
+
+
 @dataclass
 class LongContextConfig:
     model: str
@@ -184,6 +198,8 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
                         decode(llm, prompts[:batch], params, f"{context}-{batch}-{name}-{r}")
                     )
             p, a, s = (max(runs[k], key=lambda m: m["tokens_per_s"]) for k in policies)
+            model_ms = [predicted_step_ms(policies["auto"], batch, context, shape, cfg.temperature)
+                        for shape in (DraftShape(), policies["self_sparse"].shape)]  # fmt: skip
             row = {
                 "context": context, "batch": batch, "prefill_s": prefill,
                 "plain_tokens_per_s": p["tokens_per_s"], "sparse_tokens_per_s": s["tokens_per_s"],
@@ -193,6 +209,7 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
                 "sparse_step_ms": s["step_ms"], "auto_tokens_per_s": a["tokens_per_s"],
                 "auto_tpot_ms": a["tpot_ms"], "auto_speedup": a["tokens_per_s"] / p["tokens_per_s"],
                 "predicted_plain_step_ms": 1000 * step_bytes / rate,
+                "model_plain_step_ms": model_ms[0], "model_sparse_step_ms": model_ms[1],
                 "plain_gb_per_s": step_bytes / (p["step_ms"] / 1000) / 1e9,
                 "stream_gb_per_s": rate / 1e9, "runs": runs,
             }  # fmt: skip
@@ -214,8 +231,8 @@ def crossover(rows: list[dict]) -> dict[int, int | None]:
 
 HEADER = ("context", "batch", "plain tok/s", "sparse tok/s", "speedup", "auto tok/s", "auto",
           "alpha", "tok/round",
-          "plain TPOT ms", "sparse TPOT ms", "plain step ms", "predicted", "GB/s",
-          "stream GB/s")  # fmt: skip
+          "plain TPOT ms", "sparse TPOT ms", "plain step ms", "model", "sparse step ms",
+          "model", "bytes-bound ms", "GB/s", "stream GB/s")  # fmt: skip
 
 
 def format_row(r: dict) -> str:
@@ -224,9 +241,15 @@ def format_row(r: dict) -> str:
              f"{r['auto_tokens_per_s']:.1f}", f"{r['auto_speedup']:.2f}x", f"{r['alpha'] or 0:.2f}",
              f"{r['tokens_per_round'] or 0:.2f}", f"{r['plain_tpot_ms']:.1f}",
              f"{r['sparse_tpot_ms']:.1f}", f"{r['plain_step_ms']:.1f}",
+             _ms(r.get("model_plain_step_ms")), f"{r['sparse_step_ms']:.1f}",
+             _ms(r.get("model_sparse_step_ms")),
              f"{r['predicted_plain_step_ms']:.1f}", f"{r['plain_gb_per_s']:.1f}",
              f"{r['stream_gb_per_s']:.1f}")  # fmt: skip
     return " | ".join(str(c) for c in cells)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def format_table(result: dict) -> str:

@@ -55,7 +55,7 @@ class _Alternating:
         if result.results:
             self.sampled[drafted] += 1
         if self.timing:
-            self.controller.time_step(result, seconds, drafted)
+            self.controller.time_step(plan, result, seconds, drafted)
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:

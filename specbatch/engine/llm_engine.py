@@ -81,7 +81,7 @@ class LLMEngine:
         self.executor = executor or create_executor(config)
         try:
             num_blocks = self.executor.determine_num_kv_blocks()
-            self.executor.init_kv_cache(num_blocks)
+            kv_prices = self.executor.init_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -97,7 +97,7 @@ class LLMEngine:
         kind = DRAFTERS.get(spec.method)
         if spec.auto:
             largest = spec.shape
-            policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes))
+            policy = DraftController(ladder(largest.depth, largest.topk, largest.nodes), kv_prices)
         self._draft_input = kind.draft_input if kind is not None else "none"
         if isinstance(policy, DraftController):
             self._calibrate(policy)

@@ -174,6 +174,7 @@ class EagleHead(nn.Module):
         eps = float(hf_config.rms_norm_eps)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.num_layers = 1
+        self.num_heads_local = int(hf_config.num_attention_heads)
         self.num_kv_heads_local = int(getattr(hf_config, "num_key_value_heads", None) or
                                       hf_config.num_attention_heads)  # fmt: skip
         self.head_dim = head_dim_of(hf_config)

@@ -23,7 +23,10 @@ included, and what admissions will add), the drafter's passes (its first over wh
 up on, one per depth after that over the requests' beams), and the rest of the step (sampling,
 bookkeeping: by the target's rows, prompts included, measured in steps that draft and in
 steps that do not; a step that drafts pays at least what the same step without drafts pays),
-each measured (row_costs.py).
+each measured (row_costs.py). At long contexts a pass also reads every request's cached keys,
+whatever its rows: that part is priced per cached token (``KvPrices``, measured at start-up),
+by each request's context for the target and by what the drafter's view of it holds for the
+drafter, and left out of what the row prices learn.
 
 The choice. The plan of most tokens a second in the step's decoding: the plan of highest
 ``tokens - rate * seconds`` with ``rate`` first what the same requests make a second without
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
 from specbatch.scheduler.draft_yield import PRIOR_WEIGHT, chain_tokens, lean, tree_bound
+from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.row_costs import RowCosts
 
@@ -61,6 +65,7 @@ STANDING_TIMING = 4  # steps of the same requests on a standing choice: one in t
 ALPHA_SLACK = 0.03  # the acceptance a choice stands through
 RATE_ROUNDS = 4  # Dinkelbach rounds at most (two or three settle it)
 OPTIMISM = 2.0  # standard errors added to an acceptance rate before it is priced
+DECODE_ROWS = 65  # a request's rows in a pass up to which its cache reads are priced apart
 
 SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
@@ -99,6 +104,7 @@ class _Step:
     behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
     prompt_rows: int
     plain: int  # requests decoding without a drafter: a row and a token each, whatever the plan
+    contexts: dict[SamplingClass, float]  # each class's mean context a request
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
     def near(self, other: _Step) -> bool:
@@ -118,6 +124,8 @@ class _Step:
             if abs(self.alphas[c] - other.alphas[c]) > ALPHA_SLACK:
                 return False
             if abs(math.log2((1 + self.behind[c] / n) / (1 + other.behind[c] / n))) > 2:
+                return False
+            if abs(math.log2((1 + self.contexts[c]) / (1 + other.contexts[c]))) > 0.1:
                 return False
         return True
 
@@ -144,8 +152,9 @@ class DraftController:
     """Per step and sampling class, a shape from ``ladder``; within the free KV blocks the
     scheduler grants what fits."""
 
-    def __init__(self, shapes: list[DraftShape]) -> None:
+    def __init__(self, shapes: list[DraftShape], kv: KvPrices | None = None) -> None:
         self.shapes = shapes
+        self.kv = kv
         self.shape = max(shapes, key=lambda s: (s.lookahead, s.nodes))
         self.target = RowCosts()
         self.catch_up = RowCosts()  # the drafter's first pass, up to the roots' logits
@@ -213,10 +222,11 @@ class DraftController:
         prompt_rows: int,
         behind: dict[SamplingClass, float] | None = None,
         rooms: Rooms | None = None,
+        contexts: dict[SamplingClass, float] | None = None,
     ) -> float | None:
         """Seconds of a step where each class drafts its shape (cut to each request's room,
         ``rooms``); ``behind``: the catch-up rows each class's drafts are charged
-        (``_catch_up``)."""
+        (``_catch_up``); ``contexts``: each class's mean context a request."""
         fitted = _fitted(counts, plan, rooms)
         rows = prompt_rows + sum(n * (1 + s.nodes) for c in counts for s, n in fitted[c])
         t = self.target.seconds(rows)
@@ -233,7 +243,34 @@ class DraftController:
         rest = self.rest_plain.seconds(plain_rows) or 0.0
         if depth:  # at least what the same step without drafts pays
             rest = max(rest, self.rest_drafting.seconds(rows) or 0.0)
-        return t + rest
+        return t + rest + (self._kv_seconds(fitted, contexts) if contexts else 0.0)
+
+    def _kv_seconds(
+        self,
+        fitted: dict[SamplingClass, list[tuple[DraftShape, int]]],
+        contexts: dict[SamplingClass, float],
+    ) -> float:
+        """What a plan's passes pay for the cached keys they read: the target's rows of a
+        request share one read of its context; each drafter row reads the drafter's view."""
+        kv, t = self.kv, 0.0
+        if kv is None:
+            return t
+        for c, shapes in fitted.items():
+            view = self._view_read(contexts[c])
+            for s, n in shapes:
+                if kv.target is not None:
+                    t += n * kv.target.seconds(contexts[c], 1 + s.nodes)
+                if s.nodes:  # its first pass, then every node of a depth after the first
+                    t += n * view * (1 + s.nodes - min(s.topk, s.nodes))
+        return t
+
+    def _view_read(self, context: float) -> float:
+        """Seconds one drafter row pays for a request of ``context`` cached tokens."""
+        kv = self.kv
+        if kv is None or kv.draft is None:
+            return 0.0
+        view = context if kv.draft_view is None else min(context, kv.draft_view)
+        return kv.draft.seconds(view, 1)
 
     # ---- the choice ----------------------------------------------------------------------
     def draft_shapes(
@@ -274,6 +311,7 @@ class DraftController:
             behind={c: self._catch_up(rs, rates[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
             plain=plain,
+            contexts={c: sum(r.num_tokens for r in rs) / len(rs) for c, rs in groups.items()},
         )
         n = len(requests)
         self._steps[n] += 1
@@ -356,7 +394,7 @@ class DraftController:
             rows = step.prompt_rows + step.plain
             got = step.memo[key] = (
                 tokens,
-                self.seconds(counts, plan, rows, step.behind, step.rooms),
+                self.seconds(counts, plan, rows, step.behind, step.rooms, step.contexts),
             )
         return got
 
@@ -376,7 +414,8 @@ class DraftController:
         bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
         decoding = bare or step
         tokens = sum(step.counts.values()) + step.plain
-        rate = tokens / (self.seconds(step.counts, none, step.plain) or 1.0)
+        seconds = self.seconds(step.counts, none, step.plain, contexts=step.contexts)
+        rate = tokens / (seconds or 1.0)
         plan = none
         for _ in range(RATE_ROUNDS):
             trial = self._best(step, bare, rate, none)
@@ -475,19 +514,38 @@ class DraftController:
             self._untimed = (self._untimed + 1) % STANDING_TIMING
             if self._untimed:
                 return
-        self.time_step(result, seconds, drafted > 0)
+        self.time_step(plan, result, seconds, drafted > 0)
 
-    def time_step(self, result: StepResult, seconds: float, drafted: bool) -> None:
+    def time_step(
+        self, plan: SchedulerOutput, result: StepResult, seconds: float, drafted: bool
+    ) -> None:
         """Price the passes a step ran and the rest of its ``seconds``; ``drafted``: whether
-        any request of it drafted."""
+        any request of it drafted. The row prices learn each pass less its cache reads."""
+        target_kv, draft_row = self._kv_of(plan)
         passes = 0.0
         target_rows = 0
         for model, rows, secs in result.passes:
+            kv = target_kv if model == "target" else draft_row * rows
             {"target": self.target, "catch-up": self.catch_up, "draft": self.depth}[model].observe(
-                rows, secs
+                rows, max(secs - kv, 0.05 * secs)
             )
             passes += secs
             target_rows += rows if model == "target" else 0
         if target_rows:
             rest = self.rest_drafting if drafted else self.rest_plain
             rest.observe(target_rows, max(seconds - passes, 1e-6))
+
+    def _kv_of(self, plan: SchedulerOutput) -> tuple[float, float]:
+        """The seconds ``plan``'s target pass spent reading its decoding requests' caches, and
+        those each of its drafter's rows spent (the mean over its drafting requests)."""
+        target, views = 0.0, []
+        if self.kv is None:
+            return 0.0, 0.0
+        for r in plan.requests:
+            rows = len(r.target_token_ids) + r.num_draft
+            context = r.target_start + rows
+            if self.kv.target is not None and rows <= DECODE_ROWS:
+                target += self.kv.target.seconds(context, rows)
+            if r.num_draft:
+                views.append(self._view_read(context))
+        return target, (sum(views) / len(views) if views else 0.0)

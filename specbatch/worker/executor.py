@@ -6,12 +6,13 @@ from typing import Protocol
 
 from specbatch.config import EngineConfig
 from specbatch.errors import InvalidInputError
+from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 
 
 class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
-    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def init_kv_cache(self, num_blocks: int) -> KvPrices | None: ...
     def execute(self, plan: SchedulerOutput) -> StepResult: ...
     def shutdown(self) -> None: ...
 
@@ -49,8 +50,8 @@ class UniprocExecutor:
             self.config, self.worker.kv_memory_budget(), self.worker.kv_bytes_per_block()
         )
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, num_blocks: int) -> KvPrices | None:
+        return self.worker.init_kv_cache(num_blocks)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return self.worker.execute(plan)

@@ -117,6 +117,11 @@ class Drafter:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def attention(self) -> tuple[torch.nn.Module, object] | None:
+        """The model whose paged attention its passes run, and that attention's backend
+        (None: none of its own)."""
+        return None
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of blocks ``src`` into blocks ``dst`` in the drafter's cache, if any."""
 

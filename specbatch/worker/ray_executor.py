@@ -39,6 +39,7 @@ from specbatch.distributed.ray_settings import (
     env_seconds,
 )
 from specbatch.errors import EngineError, InvalidInputError
+from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.worker.executor import num_kv_blocks_from_budget
 from specbatch.worker.ray_failures import describe_failures
@@ -180,8 +181,9 @@ class RayExecutor:
         infos = self._call_all("KV budget measurement", "kv_info", timeout=None)
         return min(num_kv_blocks_from_budget(self.config, b, n) for b, n in infos)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("KV cache allocation", "init_kv_cache", num_blocks, timeout=None)
+    def init_kv_cache(self, num_blocks: int) -> KvPrices | None:
+        """Every rank allocates its caches; rank 0's attention prices come back."""
+        return self._call_all("KV cache allocation", "init_kv_cache", num_blocks, timeout=None)[0]
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> StepResult:

@@ -12,6 +12,7 @@ import torch
 from specbatch.config import EngineConfig
 from specbatch.distributed.init import Rendezvous, destroy_process_group, init_process_group
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 
 
@@ -74,8 +75,8 @@ class RankWorker:
         """(KV budget in bytes, bytes per block) on this rank."""
         return self.worker.kv_memory_budget(), self.worker.kv_bytes_per_block()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, num_blocks: int) -> KvPrices | None:
+        return self.worker.init_kv_cache(num_blocks)
 
     def execute(self, plan: SchedulerOutput) -> StepResult | None:
         """One engine step on this rank; rank 0 returns the result with its timings."""

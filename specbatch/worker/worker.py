@@ -29,6 +29,7 @@ from specbatch.draft_shape import DraftShape
 from specbatch.drafters import DRAFTERS
 from specbatch.grammar.backend import CompiledGrammarRef, worker_tokenizer_info, xgrammar
 from specbatch.sampling_params import SamplingParams
+from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import (
     RequestStepResult,
     ScheduledRequest,
@@ -37,6 +38,7 @@ from specbatch.scheduler.output import (
 )
 from specbatch.worker.drafters import make_drafter
 from specbatch.worker.grammar_masks import RequestGrammar, StepGrammars
+from specbatch.worker.kv_price import measure_kv_price
 from specbatch.worker.logprobs import emitted_logprobs, position_logprobs
 from specbatch.worker.model_runner import ModelRunner
 from specbatch.worker.penalties import History, Penalties
@@ -113,13 +115,26 @@ class Worker:
         free, _total = torch.cuda.mem_get_info(self.device)
         return int(free * self.config.gpu_memory_utilization)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int) -> KvPrices | None:
+        """Allocate the caches; with ``auto``, first measure what attention costs per cached
+        token (the draft policy prices long contexts from it)."""
+        prices = self._kv_prices() if self.config.speculative_config.auto else None
         self.target.allocate_kv_cache(num_blocks, self.config.block_size)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
         # what exists now lives as long as the worker: no later collection need walk it
         gc.collect()
         gc.freeze()
+        return prices
+
+    def _kv_prices(self) -> KvPrices:
+        bs = self.config.block_size
+        target = measure_kv_price(self.target.model, self.target.backend, bs)
+        spec = self.config.speculative_config
+        if spec.method == "self_sparse":  # the target's own passes over a sparse view
+            return KvPrices(target, target, spec.sinks + spec.window)
+        own = self.drafter.attention() if self.drafter is not None else None
+        return KvPrices(target, own and measure_kv_price(*own, bs), None)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
