@@ -23,6 +23,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
     create_model,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
@@ -33,6 +34,7 @@ from specbatch.entrypoints.openai_structured import (
     StructuredField,
     structured_field,
 )
+from specbatch.entrypoints.openai_tools import ToolDef, ToolPlan
 from specbatch.errors import InvalidInputError
 from specbatch.options import Option, options_of
 from specbatch.sampling_params import SamplingParams
@@ -169,8 +171,8 @@ def _is_number(value: Any, target: float) -> bool:
 LogitBias = _neutral("{} (off)", lambda v: v == {})
 BestOf = _neutral("1", lambda v: _is_number(v, 1))
 Suffix = _neutral('""', lambda v: v == "")
-NoTools = _neutral("null (no tool calling)", lambda v: False)
-ToolChoice = _neutral('"none"', lambda v: v == "none")
+NoFunctions = _neutral("null (give tools instead)", lambda v: False)
+FunctionCall = _neutral('"none" (give tool_choice instead)', lambda v: v == "none")
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -220,14 +222,40 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: Text  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
+    """A message; an assistant's content may be null when it has ``tool_calls``."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Annotated[
-        Text | list[TextPart],
-        _one_of('a string or a list of text parts ({"type": "text", "text": ...})'),
-    ]
+    content: (
+        Annotated[
+            Text | list[TextPart],
+            _one_of('a string or a list of text parts ({"type": "text", "text": ...})'),
+        ]
+        | None
+    ) = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_message(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("missing", "a tool message needs its tool_call_id")
+        return self
 
 
 class ChatRequest(_Sampling):  # type: ignore[misc, valid-type]
@@ -239,10 +267,22 @@ class ChatRequest(_Sampling):  # type: ignore[misc, valid-type]
     max_completion_tokens: int | None = _schema("max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = _schema("logprobs")
-    tools: NoTools = None
-    tool_choice: ToolChoice = None
-    functions: NoTools = None
-    function_call: ToolChoice = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = Field(
+        None,
+        description='"none", "auto", "required" or {"type": "function", "function": '
+        '{"name": ...}} (default: "auto" with tools, else "none")',
+    )
+    parallel_tool_calls: bool | None = None
+    functions: NoFunctions = None
+    function_call: FunctionCall = None
+
+    def tool_plan(self, parser: str) -> ToolPlan | None:
+        """The request's tools (``parser``: the format of the model's own calls)."""
+        try:
+            return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        except InvalidInputError as e:
+            raise bad_request(str(e), e.field) from None
 
 
 def requested_max_tokens(body: BaseModel, names: tuple[str, ...]) -> tuple[str, int] | None:
@@ -271,19 +311,30 @@ def check_context_room(
 
 
 def sampling_params(
-    values: dict[str, Any], wire: dict[str, str] | None = None, body: _Request | None = None
+    values: dict[str, Any],
+    wire: dict[str, str] | None = None,
+    body: _Request | None = None,
+    forced: StructuredField | None = None,
 ) -> tuple[SamplingParams, StructuredField | None]:
     """``SamplingParams`` of the request's values, with the body's structured output (its
-    ``response_format`` or ``structured_outputs``); an error names the field as the client
-    wrote it (``wire``: the JSON key of a field that came under another name)."""
+    ``response_format`` or ``structured_outputs``) or else ``forced`` (a forced tool call's);
+    an error names the field as the client wrote it (``wire``: the JSON key of a field that
+    came under another name)."""
     structured = None
     if body is not None:
         try:
             structured = structured_field(body.response_format, values.get(FIELD))
         except InvalidInputError as e:
             raise bad_request(str(e), e.field) from None
-        if structured is not None:
-            values = {**values, FIELD: structured.params}
+    if forced is not None and structured is not None:
+        raise bad_request(
+            f"tool_choice: a forced tool call (required or a named function) cannot be "
+            f"combined with {structured.param}",
+            "tool_choice",
+        )
+    structured = structured or forced
+    if structured is not None:
+        values = {**values, FIELD: structured.params}
     try:
         return SamplingParams(**values), structured
     except InvalidInputError as e:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
+import string
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +19,17 @@ from fastapi.responses import StreamingResponse
 
 from specbatch.engine.async_engine import RequestStream, ShutdownError
 from specbatch.entrypoints.openai_protocol import ApiError, error_body
+from specbatch.entrypoints.tool_parsers import Parsed
 from specbatch.errors import EngineError
 from specbatch.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
 from specbatch.sampling_params import SamplingParams
 
-# a chunk of the stream for one choice, from (the text delta, the finish reason or None, the
-# output and the choice's completion as they stand, its first token not yet reported)
-MakeChunk = Callable[[str, str | None, RequestOutput, CompletionOutput, int], dict[str, Any]]
+# the chunks of the stream for one choice (one, or a list of them), from (the text delta, the
+# finish reason or None, the output and the choice's completion as they stand, its first token
+# not yet reported)
+MakeChunk = Callable[
+    [str, str | None, RequestOutput, CompletionOutput, int], dict[str, Any] | list[dict[str, Any]]
+]
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,77 @@ class TextDelta:
         return delta
 
 
+# ---- tool calls -------------------------------------------------------------------------------
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+def tool_message(text: str, parsed: Parsed) -> dict[str, Any]:
+    """The assistant's message: its calls, and the text outside them (null when empty); the
+    text as it is when there is no call."""
+    if not parsed.calls:
+        return {"role": "assistant", "content": text}
+    calls = [
+        {"id": call_id(), "type": "function",
+         "function": {"name": c.name, "arguments": c.arguments}}
+        for c in parsed.calls
+    ]  # fmt: skip
+    return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+
+
+class ToolCallStream:
+    """One choice's deltas as OpenAI streams tool calls: content as it becomes certain; a
+    call's first delta carries its index, id, type, name and empty arguments, the next ones
+    its arguments in fragments. Each delta extends what was sent; nothing is taken back, so
+    when a call already begun turns out not to parse (cut by max_tokens, or malformed) the
+    stream ends with what it sent, where the whole reply would give the text as content."""
+
+    def __init__(self, parse: Callable[[str, bool], Parsed]) -> None:
+        self.parse = parse
+        self.text = self.content = ""
+        self.names: list[str] = []
+        self.arguments: list[str] = []  # each call's arguments sent so far
+        self.broken = False  # a call sent no longer parses
+
+    @property
+    def called(self) -> bool:
+        return bool(self.names)
+
+    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+        self.text += text
+        parsed = self.parse(self.text, final)
+        sent = list(zip(self.names, self.arguments, strict=True))
+        self.broken = self.broken or any(
+            i >= len(parsed.calls)
+            or parsed.calls[i].name != name
+            or not parsed.calls[i].arguments.startswith(arguments)
+            for i, (name, arguments) in enumerate(sent)
+        )
+        if self.broken:
+            return []
+        deltas: list[dict[str, Any]] = []
+        if len(parsed.content) > len(self.content) and parsed.content.startswith(self.content):
+            deltas.append({"content": parsed.content[len(self.content) :]})
+            self.content = parsed.content
+        for i, call in enumerate(parsed.calls):
+            if i == len(self.names):
+                head = {"name": call.name, "arguments": ""}
+                deltas.append({"tool_calls": [{"index": i, "id": call_id(), "type": "function",
+                                               "function": head}]})  # fmt: skip
+                self.names.append(call.name)
+                self.arguments.append("")
+            sent = self.arguments[i]
+            if len(call.arguments) > len(sent):
+                fragment = {"arguments": call.arguments[len(sent) :]}
+                deltas.append({"tool_calls": [{"index": i, "function": fragment}]})
+                self.arguments[i] = call.arguments
+        return deltas
+
+
 def sse_event(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -223,7 +300,9 @@ def sse_response(
                     if text or delta.done:
                         start, delta.tokens_sent = delta.tokens_sent, len(c.token_ids)
                         reason = finish_reason_of(c) if delta.done else None
-                        yield sse_event(make_chunk(text, reason, out, c, start))
+                        chunks = make_chunk(text, reason, out, c, start)
+                        for chunk in chunks if isinstance(chunks, list) else [chunks]:
+                            yield sse_event(chunk)
             if include_usage and last is not None:
                 yield sse_event(ids.wrap([], usage=usage_of(last)))
             yield "data: [DONE]\n\n"

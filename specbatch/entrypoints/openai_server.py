@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specbatch.chat import check_messages, render_chat
+from specbatch.chat import check_messages, render_chat, template_takes_tools
 from specbatch.config import EngineArgs
 from specbatch.detokenizer import token_texts
 from specbatch.engine.async_data_parallel import create_async_engine
@@ -51,28 +51,41 @@ from specbatch.entrypoints.openai_protocol import (
 from specbatch.entrypoints.openai_replies import (
     MakeChunk,
     ReplyIds,
+    ToolCallStream,
     chat_logprobs_content,
     collect,
     engine_error,
     finish_reason_of,
     legacy_logprobs,
     sse_response,
+    tool_message,
     usage_of,
 )
 from specbatch.entrypoints.openai_structured import StructuredField
+from specbatch.entrypoints.openai_tools import ToolPlan, template_messages
+from specbatch.entrypoints.tool_parsers import PARSERS
 from specbatch.errors import EngineError, InvalidInputError
 from specbatch.outputs import CompletionOutput, RequestOutput
 from specbatch.sampling_params import SamplingParams
+from specbatch.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("specbatch.server")
 MAX_UNKNOWN_FIELDS = 256  # names remembered (and logged) at most
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        api_key: str | None = None,
+        tool_call_parser: str = "hermes",
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser
+        self._takes_tools: bool | None = None
         self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
         self.unknown_fields: set[str] = set()
@@ -205,6 +218,36 @@ class OpenAIServer:
         return JSONResponse(reply.wrap(choices, usage=usage_of(out)))
 
     # -- chat --
+    async def _forced(self, plan: ToolPlan | None) -> StructuredField | None:
+        """A forced call's grammar, each tool's parameters checked as a JSON schema first."""
+        spec = plan.structured() if plan is not None else None
+        if plan is None or spec is None:
+            return None
+        grammars = self.engine.engine.grammars
+        for i, tool in enumerate(plan.tools):
+            schema = StructuredOutputsParams(json=tool["function"]["parameters"])
+            try:
+                await self.engine.run_on_tokenizer_threads(grammars.check, schema)
+            except InvalidInputError as e:
+                spelt = f"tools[{i}].function.parameters"
+                raise bad_request(StructuredField(schema, "tools", spelt).message(str(e)),
+                                  "tools") from None  # fmt: skip
+        return StructuredField(spec, "tool_choice", "tool_choice")
+
+    async def _prompt(self, body: ChatRequest, plan: ToolPlan | None) -> str:
+        tok = self.engine.engine.tokenizer
+        try:
+            messages = check_messages([m.model_dump() for m in body.messages])
+            if self._takes_tools is None:
+                self._takes_tools = template_takes_tools(tok)
+            parser = PARSERS[self.tool_call_parser]
+            messages, tools = template_messages(messages, plan, parser, self._takes_tools)
+            return await self.engine.run_on_tokenizer_threads(
+                lambda: render_chat(tok, messages, tools=tools)
+            )
+        except InvalidInputError as e:
+            raise bad_request(str(e), "messages") from None
+
     async def chat(self, body: ChatRequest, request: Request) -> Any:
         self.check_body(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -214,14 +257,9 @@ class OpenAIServer:
         values = body.sampling_values()
         values.update(logprobs=top, max_tokens=requested[1] if requested else None)
         wire = {"logprobs": "top_logprobs", "max_tokens": requested[0] if requested else ""}
-        params, structured = sampling_params(values, wire, body)
-        try:
-            messages = check_messages([m.model_dump() for m in body.messages])
-            text = await self.engine.run_on_tokenizer_threads(
-                render_chat, self.engine.engine.tokenizer, messages
-            )
-        except InvalidInputError as e:
-            raise bad_request(str(e), "messages") from None
+        plan = body.tool_plan(self.tool_call_parser)
+        params, structured = sampling_params(values, wire, body, await self._forced(plan))
+        text = await self._prompt(body, plan)
         stream, _ = await self.start(
             text,
             params,
@@ -243,11 +281,12 @@ class OpenAIServer:
             }
 
         def chunk(
-            index: int, delta: dict[str, str], finish: str | None, lps: Any
+            index: int, delta: dict[str, Any], finish: str | None, lps: Any
         ) -> dict[str, Any]:
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             return ids.wrap([choice])
 
+        reader = plan.read if plan is not None and plan.reader is not None else None
         if body.stream:
             first = [
                 chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(params.n)
@@ -258,17 +297,39 @@ class OpenAIServer:
             ) -> dict[str, Any]:
                 return chunk(c.index, {"content": text} if text else {}, finish, lps_of(c, start))
 
-            return self._stream(stream, params, ids, text_chunk, first, body)
+            if reader is None:
+                return self._stream(stream, params, ids, text_chunk, first, body)
+            calls = [ToolCallStream(reader) for _ in range(params.n)]
+
+            def tool_chunks(
+                text: str, finish: str | None, out: RequestOutput, c: CompletionOutput, start: int
+            ) -> list[dict[str, Any]]:
+                """Content and call deltas, then the finish in a chunk of its own."""
+                calling = calls[c.index]
+                deltas = calling.feed(text, finish is not None)
+                lps = lps_of(c, start)
+                if lps is not None and not deltas:
+                    deltas = [{}]
+                chunks = [chunk(c.index, d, None, lps if i == 0 else None)
+                          for i, d in enumerate(deltas)]  # fmt: skip
+                if finish is not None:
+                    reason = "tool_calls" if finish == "stop" and calling.called else finish
+                    chunks.append(chunk(c.index, {}, reason, None))
+                return chunks
+
+            return self._stream(stream, params, ids, tool_chunks, first, body)
         out = await collect(stream, request)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": lps_of(c, 0),
-                "finish_reason": finish_reason_of(c),
-            }
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message, finish = {"role": "assistant", "content": c.text}, finish_reason_of(c)
+            if reader is not None:
+                message = tool_message(c.text, reader(c.text))
+                if finish == "stop" and "tool_calls" in message:
+                    finish = "tool_calls"
+            choices.append(
+                {"index": c.index, "message": message, "logprobs": lps_of(c, 0),
+                 "finish_reason": finish}
+            )  # fmt: skip
         whole = ReplyIds(rid, created, "chat.completion", self.model_name)
         return JSONResponse(whole.wrap(choices, usage=usage_of(out)))
 
@@ -331,14 +392,21 @@ def build_app(
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
     served_model_name: str | None = None,
     engine: AsyncLLMEngine | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The FastAPI app. Loads the model now (so a bad model fails before the port is bound)
     unless ``engine`` is given; the engine's loop starts with the first request.
-    ``app.state.server`` is the ``OpenAIServer`` and ``app.state.engine`` the ``AsyncLLMEngine``."""
+    ``app.state.server`` is the ``OpenAIServer`` and ``app.state.engine`` the ``AsyncLLMEngine``.
+    ``tool_call_parser``: the format the model writes tool calls in (``tool_choice: "auto"``)."""
+    if tool_call_parser not in PARSERS:
+        raise InvalidInputError(
+            f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}",
+            "tool_call_parser",
+        )
     if engine is None:
         engine = create_async_engine(engine_args or EngineArgs(), max_queue_len)
     name = served_model_name or (engine_args.model if engine_args and engine_args.model else None)
-    server = OpenAIServer(engine, name or DEFAULT_MODEL_NAME, api_key)
+    server = OpenAIServer(engine, name or DEFAULT_MODEL_NAME, api_key, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from specbatch.engine.async_engine import DEFAULT_MAX_QUEUE_LEN
 from specbatch.entrypoints.flags import add_engine_flags, add_options, engine_args_from, values_of
+from specbatch.entrypoints.tool_parsers import PARSERS
 from specbatch.errors import InvalidInputError
 from specbatch.options import check_options, option
 
@@ -29,6 +30,9 @@ class ServerOptions:
         "before they are aborted", ge=0, metavar="SECONDS")
     log_level: str = option("info", "uvicorn log level",
         choices=("critical", "error", "warning", "info", "debug"))
+    tool_call_parser: str = option("hermes", "the format the model writes tool calls in, read "
+        'with tool_choice "auto" (hermes: <tool_call> JSON, as Qwen2.5/Qwen3; llama3_json: '
+        "Llama 3's JSON)", choices=tuple(PARSERS))
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -41,7 +45,9 @@ DESCRIPTION = """\
 Serve the model over HTTP with the OpenAI API:
   POST /v1/completions       prompt as text or token ids; max_tokens, temperature, top_p,
                              top_k, min_p, seed, stop, stop_token_ids, ignore_eos, stream
-  POST /v1/chat/completions  when the tokenizer has a chat template
+  POST /v1/chat/completions  when the tokenizer has a chat template; tools and tool_choice
+                             ("required" or a named function forced by a grammar; "auto" read
+                             with --tool-call-parser)
   GET  /v1/models, GET /health, GET /metrics (Prometheus text)
   GET  /docs, GET /openapi.json  every request field with its type and default
 
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=opts.api_key,
         max_queue_len=opts.max_queue_len,
         served_model_name=opts.served_model_name,
+        tool_call_parser=opts.tool_call_parser,
     )
     timeout = opts.shutdown_timeout
 
