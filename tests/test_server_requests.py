@@ -80,18 +80,13 @@ def test_deeply_nested_json_is_400(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-        ("functions", [{"name": "f"}]),
-        ("function_call", "auto"),
-    ],
+    ("name", "value"), [("functions", [{"name": "f"}]), ("function_call", "auto")]
 )
-def test_tool_calling_is_refused_until_supported(
+def test_the_legacy_function_fields_are_refused(
     server: ServerThread, name: str, value: Any
 ) -> None:
+    """OpenAI's deprecated ``functions``/``function_call``; ``tools`` is served
+    (test_tool_calls.py)."""
     r = post(server, {"messages": HI, "max_tokens": 2, name: value}, CHAT)
     refused(r, name, "not supported")
 
