@@ -37,5 +37,7 @@ DRAFTERS: dict[str, DrafterKind] = {
                     samples=False),
         DrafterKind("self_sparse", "none", False,
                     "specbatch.worker.self_sparse_proposer:SelfSparseProposer"),
+        DrafterKind("suffix", "none", False, "specbatch.worker.suffix_proposer:SuffixProposer",
+                    samples=False),
     )
 }  # fmt: skip

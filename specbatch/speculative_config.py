@@ -5,6 +5,7 @@
     {"method": "eagle", "model": HEAD_DIR, "num_speculative_tokens": 3}   (or "eagle3")
     {"method": "eagle", "num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 8}   (trees)
     {"method": "self_sparse", "num_speculative_tokens": 3, "window": 256, "sinks": 16}
+    {"method": "suffix", "max_draft_length": 16, "suffix_decoding_max_tree_depth": 24}
 
 ``method`` may be left out when ``model`` is given, ``model`` for the built-in target (its own
 draft model and EAGLE head ship with it). The engine's ``SHORTHANDS`` set the same fields:
@@ -57,6 +58,14 @@ class SpeculativeConfig:
         "sinks; whole KV blocks)", ge=0, flag=False)
     window: int = option(256, "self_sparse: the last keys every draft pass sees (widened to "
         "whole KV blocks)", ge=1, flag=False)
+    suffix_decoding_max_tree_depth: int = option(24, "suffix: the longest substring its trees "
+        "hold (a match and its draft together)", ge=1, le=256, flag=False)
+    suffix_decoding_max_spec_factor: float = option(1.0, "suffix: draft tokens per token "
+        "matched, at most", ge=0, flag=False)
+    suffix_decoding_min_token_prob: float = option(0.1, "suffix: the least empirical "
+        "probability of a draft token's path", ge=0, le=1, flag=False)
+    suffix_decoding_max_cached_requests: int = option(10000, "suffix: earlier requests whose "
+        "outputs its global tree keeps (0: none)", ge=0, flag=False)
     # fmt: on
 
     @property
@@ -87,6 +96,9 @@ _SAME_NAMED = ("num_speculative_tokens", "draft_tensor_parallel_size", "max_draf
 SHORTHANDS = {"draft_model": "model"} | {name: name for name in _SAME_NAMED}
 _DEFAULTS = {name: default for name, _, default in options_of(SpeculativeConfig)}
 _METHOD = declared(SpeculativeConfig, "method")
+# the keys one method alone reads
+_READERS = {"sinks": "self_sparse", "window": "self_sparse"} | {
+    k: "suffix" for k in _DEFAULTS if k.startswith("suffix_")}  # fmt: skip
 
 
 def shorthand(name: str, help: str | None = None) -> Any:
@@ -113,9 +125,9 @@ def normalise(value: Mapping[str, Any] | str | None, **shorthands: Any) -> Specu
     method = keys["method"]
     if not DRAFTERS[method].needs_model and keys.get("model") is not None:
         raise invalid("speculative_config.model", f": the {method} method takes no model")
-    for key in ("sinks", "window"):
-        if keys.get(key, _DEFAULTS[key]) != _DEFAULTS[key] and method != "self_sparse":
-            raise invalid(f"speculative_config.{key}", f": only self_sparse reads it, not {method}")
+    for key, reader in _READERS.items():
+        if keys.get(key, _DEFAULTS[key]) != _DEFAULTS[key] and method != reader:
+            raise invalid(f"speculative_config.{key}", f": only {reader} reads it, not {method}")
     most = keys.get("prompt_lookup_max", _DEFAULTS["prompt_lookup_max"])
     least = keys.setdefault("prompt_lookup_min", min(_DEFAULTS["prompt_lookup_min"], most))
     if least > most:
