@@ -79,7 +79,9 @@ def baseline_build(rev: str) -> Build:
     if archive.returncode != 0:
         sys.exit(f"error: --baseline: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    return Build(rev, load_module(csrc=tmp / "specbatch" / "kernels" / "csrc"))
+    module = load_module(csrc=tmp / "specbatch" / "kernels" / "csrc")
+    current = "layer_fields" in module.info()  # this tree's interface: call it as this tree does
+    return Build(rev, module, CpuKernels(module) if current else None)
 
 
 def target_shape() -> tuple[int, int, int, int]:

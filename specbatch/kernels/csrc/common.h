@@ -298,7 +298,8 @@ SB_INLINE bpairs bpairs_load_low(const uint16_t* p) {
     return _mm512_maskz_loadu_epi16(0x55555555u, p);
 }
 SB_INLINE vf vf_dot_pairs(vf acc, uint32_t pair, bpairs b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)b);
+    /* the broadcast pair last, where the instruction takes it from memory ({1to16}) */
+    return _mm512_dpbf16_ps(acc, (__m512bh)b, (__m512bh)_mm512_set1_epi32((int)pair));
 }
 #else
 typedef struct {
