@@ -152,8 +152,10 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
     sparse = {"method": "self_sparse", "num_speculative_tokens": "auto",
               "max_draft_length": cfg.draft_length}  # fmt: skip
     sparse |= {k: v for k, v in (("window", cfg.window), ("sinks", cfg.sinks)) if v is not None}
-    # every context's prompts stay in the prefix cache beside the running requests
-    blocks = int(1.1 * most * (len(cfg.context_lens) + 1) * -(-longest // 16)) + 64
+    # every context's prompts stay in the prefix cache; the running requests share their
+    # blocks and add their outputs' (and the round's lookahead)
+    prompts = sum(-(-c // 16) for c in cfg.context_lens)
+    blocks = most * (prompts + 2 * -(-(longest - min(cfg.context_lens)) // 16)) + 64
     llm = LLM(cfg.model, dtype=cfg.dtype, speculative_config=sparse, enable_prefix_caching=True,
               max_num_seqs=most, max_model_len=longest, num_kv_blocks=blocks, block_size=16,
               max_num_batched_tokens=max(2048, most * 32))  # fmt: skip
