@@ -83,11 +83,13 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
     whose requests finish at different steps would otherwise charge its tail, a few requests
     decoding alone, to whichever mode finishes less evenly)."""
     engine = llm.engine
-    spec = engine.metrics.spec
+    metrics = engine.metrics
+    spec = metrics.spec
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request({"prompt_token_ids": p}, params, request_id=rid)
-    start = last = None  # (time, tokens so far, steps, proposed, accepted, rounds)
+    # (time, tokens so far, steps, proposed, accepted, rounds, drafter s, target s)
+    start = last = None
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -98,7 +100,8 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
                 break
             continue
         tokens = sum(len(r.output_token_ids) for r in running)
-        now = (time.perf_counter(), tokens, steps, spec.proposed, spec.accepted, spec.rounds)
+        now = (time.perf_counter(), tokens, steps, spec.proposed, spec.accepted, spec.rounds,
+               metrics.draft_time_total, metrics.target_time_total)  # fmt: skip
         if start is None:
             start = now
         last = now
@@ -107,13 +110,15 @@ def decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str)
     if start is None or last is None or last[2] == start[2]:
         raise ValueError("decode: too few steps with every request running; raise output_len")
     seconds, tokens, n_steps = last[0] - start[0], last[1] - start[1], last[2] - start[2]
-    drafted, accepted, rounds = (last[i] - start[i] for i in (3, 4, 5))
+    drafted, accepted, rounds, draft_s, target_s = (last[i] - start[i] for i in (3, 4, 5, 6, 7))
     return {
         "tokens_per_s": tokens / seconds,
         "tpot_ms": 1000 * seconds * len(prompts) / tokens,
         "step_ms": 1000 * seconds / n_steps,
         "alpha": accepted / drafted if drafted else None,
         "tokens_per_round": tokens / rounds if rounds else None,
+        "draft_ms": 1000 * draft_s / n_steps,  # the drafter's passes, a step
+        "target_ms": 1000 * target_s / n_steps,  # the target's pass, a step
     }
 
 
@@ -132,7 +137,7 @@ def predicted_step_ms(
 
 @dataclass
 class LongContextConfig:
-    model: str
+    model: str | None  # None: the built-in target
     context_lens: list[int] = field(default_factory=lambda: [2000, 8000])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16, 32])
     output_len: int = 64
@@ -210,6 +215,9 @@ def run_long_context(cfg: LongContextConfig, log=print) -> dict:
                 "tokens_per_round": s["tokens_per_round"], "plain_step_ms": p["step_ms"],
                 "sparse_step_ms": s["step_ms"], "auto_tokens_per_s": a["tokens_per_s"],
                 "auto_tpot_ms": a["tpot_ms"], "auto_speedup": a["tokens_per_s"] / p["tokens_per_s"],
+                # THEORY.md's c (a draft pass over a plain step's target pass) and verify cost
+                "c": s["draft_ms"] / cfg.draft_length / p["target_ms"],
+                "verify_cost": s["target_ms"] / p["target_ms"],
                 "predicted_plain_step_ms": 1000 * step_bytes / rate,
                 "model_plain_step_ms": model_ms[0], "model_sparse_step_ms": model_ms[1],
                 "plain_gb_per_s": step_bytes / (p["step_ms"] / 1000) / 1e9,
@@ -232,7 +240,7 @@ def crossover(rows: list[dict]) -> dict[int, int | None]:
 
 
 HEADER = ("context", "batch", "plain tok/s", "sparse tok/s", "speedup", "auto tok/s", "auto",
-          "alpha", "tok/round",
+          "alpha", "tok/round", "c", "verify cost",
           "plain TPOT ms", "sparse TPOT ms", "plain step ms", "model", "sparse step ms",
           "model", "bytes-bound ms", "GB/s", "stream GB/s")  # fmt: skip
 
@@ -241,7 +249,8 @@ def format_row(r: dict) -> str:
     cells = (r["context"], r["batch"], f"{r['plain_tokens_per_s']:.1f}",
              f"{r['sparse_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
              f"{r['auto_tokens_per_s']:.1f}", f"{r['auto_speedup']:.2f}x", f"{r['alpha'] or 0:.2f}",
-             f"{r['tokens_per_round'] or 0:.2f}", f"{r['plain_tpot_ms']:.1f}",
+             f"{r['tokens_per_round'] or 0:.2f}", f"{r['c']:.3f}", f"{r['verify_cost']:.2f}",
+             f"{r['plain_tpot_ms']:.1f}",
              f"{r['sparse_tpot_ms']:.1f}", f"{r['plain_step_ms']:.1f}",
              _ms(r.get("model_plain_step_ms")), f"{r['sparse_step_ms']:.1f}",
              _ms(r.get("model_sparse_step_ms")),
@@ -283,7 +292,7 @@ def plot(result: dict, path: Path) -> None:
                 ax.annotate(f"B={r['batch']}", (x, y), fontsize=7, color=line.get_color())
     ax.set_xlabel("time per output token (ms)")
     ax.set_ylabel("decoding tokens/s")
-    ax.set_title(f"{Path(result['meta']['model']).name}: plain vs self_sparse")
+    ax.set_title(f"{Path(result['meta']['model'] or 'built-in target').name}: plain vs self_sparse")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -91,6 +91,17 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="output path without extension (default: bench_results/bench)",
     )
+    p.add_argument(
+        "--context-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="L",
+        help="the long-context test instead of the grid: L-token documents (prefilled once, "
+        "through the prefix cache), decoded plain, with auto and with self_sparse at the deepest "
+        "--draft-lengths chain (3 unless given) per context and batch size; --speculative-config "
+        "may set self_sparse's window and sinks (`bench long-context --help`)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_options(p, BenchConfig, "bench options")
     add_engine_flags(p, skip=_OWN_ENGINE_FIELDS)
@@ -152,10 +163,43 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def long_context_config(args: argparse.Namespace) -> Any:
+    """The long-context test's settings from the offline bench's flags."""
+    from specbatch.bench.long_context import LongContextConfig
+    from specbatch.speculative_config import normalise
+
+    ks = [k for k in args.draft_lengths if k != "auto"]
+    given = list(args.draft_lengths) != list(DEFAULT_DRAFT_LENGTHS)
+    spec = normalise(args.speculative_config) if args.speculative_config else None
+    if spec is not None and spec.method != "self_sparse":
+        raise InvalidInputError(
+            "speculative_config.method: --context-lens drafts with self_sparse, got "
+            f"{spec.method!r}",
+            "speculative_config.method",
+        )
+    dtype = getattr(args, "dtype", None)
+    cfg = LongContextConfig(
+        model=args.model, context_lens=list(args.context_lens), batch_sizes=list(args.batch_sizes),
+        output_len=args.output_len, draft_length=max(ks) if given and max(ks, default=0) else 3,
+        window=spec.window if spec else None, sinks=spec.sinks if spec else None,
+        temperature=args.temperature, repeats=args.repeats,
+        dtype=dtype if dtype in ("bfloat16", "float32") else "bfloat16",
+    )  # fmt: skip
+    for name in ("context_lens", "batch_sizes"):
+        if bad := [v for v in getattr(cfg, name) if v < 1]:
+            raise InvalidInputError(f"{name}: each must be >= 1, got {bad[0]}", name)
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     from specbatch.bench.offline import run_bench
     from specbatch.bench.report import format_report, write_all
 
+    if args.context_lens is not None:
+        from specbatch.entrypoints.bench_long_context import report
+
+        out = args.out if args.out != "bench_results/bench" else "bench_results/long_context"
+        return report(long_context_config(args), out)
     cfg = config_from(args)
     cfg.check()  # a bad value fails before any model loads
     result = run_bench(cfg, progress=not args.no_progress)

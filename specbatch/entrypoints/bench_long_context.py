@@ -85,7 +85,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specbatch.bench.long_context import LongContextConfig, format_table, plot, run_long_context
+    from specbatch.bench.long_context import LongContextConfig
 
     _check(args)
     cfg = LongContextConfig(
@@ -93,9 +93,17 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len, draft_length=args.draft_length, window=args.window,
         sinks=args.sinks, temperature=args.temperature, repeats=args.repeats, dtype=args.dtype,
     )  # fmt: skip
+    return report(cfg, args.out)
+
+
+def report(cfg: Any, out_path: str) -> int:
+    """Run the long-context test of ``cfg`` (a ``LongContextConfig``), print its table, write
+    OUT.json and OUT.png."""
+    from specbatch.bench.long_context import format_table, plot, run_long_context
+
     result = run_long_context(cfg, log=lambda line: print(line, flush=True))
     print(format_table(result), flush=True)
-    out = Path(args.out)
+    out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
