@@ -3,7 +3,7 @@ substring's count, the longest match, the most frequent continuation, the cuts b
 spec factor and depth, trees), the global cache bounded under a flood of requests and holding
 nothing of an evicted request (a planted stale node is caught), the settings' errors, greedy
 output equal to plain greedy (chains, trees, auto) and sampled output distributed as the
-target's (chi-square as in tests/test_exactness.py).
+target's (chi-square as in tests/test_exactness.py), and the agentic bench workload.
 """
 
 from __future__ import annotations
@@ -312,9 +312,9 @@ def test_the_test_catches_a_stale_node_after_eviction(monkeypatch, bug) -> None:
         ({"model": "x"}, "the suffix method takes no model"),
     ],
 )  # fmt: skip
-def test_bad_suffix_settings_name_the_key_and_the_limit(tiny_llama_checkpoint, spec, message):
+def test_bad_suffix_settings_name_the_key_and_the_limit(spec, message) -> None:
     with pytest.raises(InvalidInputError, match=message):
-        EngineArgs(str(tiny_llama_checkpoint), speculative_config={"method": "suffix", **spec})
+        EngineArgs(speculative_config={"method": "suffix", **spec})
 
 
 def test_the_settings_reach_the_drafter(tiny_llama_checkpoint) -> None:
@@ -386,3 +386,48 @@ def test_sampling_at_temperature_one_is_the_targets_law(target, shape) -> None:
         [tuple(o.outputs[0].token_ids[:3]) for o in outs], exact_joint(target, PROMPT, 3)
     )
     assert ALPHA == 1e-3
+
+
+# --- the agentic workload -----------------------------------------------------------------
+
+
+def test_the_agentic_workload_is_sessions_whose_turns_extend_each_other() -> None:
+    from specbatch.bench.agentic_workload import SESSIONS_AT_ONCE, agentic_prompts
+    from specbatch.model.model_pair import default_model_path
+    from specbatch.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path("target"))
+    prompts, source = agentic_prompts(tok, 1024, 64, 40, seed=1)
+    assert len(prompts) == 40 and source.startswith("agentic:")
+    assert all(len(p) <= 1024 for p in prompts)
+    assert prompts == agentic_prompts(tok, 1024, 64, 40, seed=1)[0]  # seeded
+    first = prompts[:SESSIONS_AT_ONCE]  # each session's first turn, then each one's second
+    second = prompts[SESSIONS_AT_ONCE : 2 * SESSIONS_AT_ONCE]
+    for a, b in zip(first, second, strict=True):
+        assert b[: len(a)] == a and len(b) > len(a) + 64  # the file as written, re-quoted
+    text = tok.decode(second[0])
+    assert text.count("```python") >= 3 and "[run_tests]" in text and "[read_file]" in text
+    with pytest.raises(InvalidInputError, match="input_len"):
+        agentic_prompts(tok, 100, 64, 4)
+
+
+def test_the_bench_runs_the_agentic_workload_with_suffix_drafts() -> None:
+    from specbatch.bench.bench_config import BenchConfig
+    from specbatch.bench.offline import run_bench
+
+    cfg = BenchConfig(  # the built-in target, drafting with suffix decoding
+        batch_sizes=[2],
+        draft_lengths=[0, 4],
+        workload="agentic",
+        input_len=480,  # within the built-in target's context
+        output_len=16,
+        output_len_spread=0.0,
+        num_requests=4,
+        speculative_config={"method": "suffix"},
+        engine_kwargs={"device": "cpu"},
+    )
+    result = run_bench(cfg, progress=False)
+    assert result.workload_source.startswith("agentic")
+    plain, suffix = result.cells
+    assert suffix.output_tokens == plain.output_tokens == 4 * 16
+    assert suffix.spec_rounds > 0 and suffix.draft_tokens_accepted > 0

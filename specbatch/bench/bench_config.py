@@ -75,7 +75,9 @@ class BenchConfig:
     workload: str = option("heldout", "heldout: windows of the built-in pair's held-out stdlib "
         "files; grounded: each a held-out function followed by its first lines again, so "
         "outputs copy spans of the prompt (what n-gram drafting is for; give --input-len 256 "
-        "or so)", choices=WORKLOADS)
+        "or so); agentic: a coding agent's sessions, each turn re-quoting the file as last "
+        "written and test output (bench/agentic_workload.py; give --input-len 1536 or so)",
+        choices=WORKLOADS)
     # fmt: on
     seed: int = 0
     # the drafter as speculative_config (its num_speculative_tokens comes from the grid);

@@ -50,6 +50,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from specbatch.bench.agentic_workload import agentic_workload
 from specbatch.bench.auto_vs_fixed import auto_vs_fixed
 from specbatch.bench.bench_config import BenchConfig
 from specbatch.bench.cell_run import CellRun, run_cell, run_side_by_side
@@ -116,16 +117,21 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         for d in drafts:
             engines[d] = build_engine(cfg, d, max(sizes))
         share_weights(list(engines.values()))
-        workload = build_workload(
-            engines[drafts[0]],
-            input_len=cfg.input_len,
-            output_len=cfg.output_len,
-            # every repeat of a cell runs prompts of its own (see the module's docstring)
-            num_prompts=max(64, WARMUP_REQUESTS + cfg.repeats * max(map(cfg.requests_for, sizes))),
-            prompts_file=cfg.prompts,
-            seed=cfg.seed,
-            grounded=cfg.workload == "grounded",
-        )
+        # every repeat of a cell runs prompts of its own (see the module's docstring)
+        num_prompts = max(64, WARMUP_REQUESTS + cfg.repeats * max(map(cfg.requests_for, sizes)))
+        if cfg.workload == "agentic":
+            workload = agentic_workload(engines[drafts[0]].tokenizer, cfg.input_len,
+                                        cfg.output_len, num_prompts, cfg.seed)  # fmt: skip
+        else:
+            workload = build_workload(
+                engines[drafts[0]],
+                input_len=cfg.input_len,
+                output_len=cfg.output_len,
+                num_prompts=num_prompts,
+                prompts_file=cfg.prompts,
+                seed=cfg.seed,
+                grounded=cfg.workload == "grounded",
+            )
         if cfg.mixed is not None:
             workload = mixed_workload(workload, engines[drafts[0]].tokenizer, cfg.mixed)
         prefix = shared_prefix(engines[drafts[0]], cfg.shared_prefix_len, cfg.seed)

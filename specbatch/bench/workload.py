@@ -1,5 +1,5 @@
 """The offline bench's workload: prompts of a fixed token length, from a file or from the
-built-in pair's held-out stdlib files."""
+built-in pair's held-out stdlib files; or an agent's sessions (``agentic_workload.py``)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,16 @@ from specbatch.prompts_file import read_prompts
 from specbatch.sampling_params import SamplingParams
 
 TRAINING_JSON = Path(__file__).resolve().parent.parent / "assets" / "default_pair" / "training.json"
-WORKLOADS = ("heldout", "grounded")
+WORKLOADS = ("heldout", "grounded", "agentic")
 GROUNDED_REPEAT = 16  # tokens of a function repeated after it in a grounded prompt
 
 
 @dataclass
 class Workload:
-    """Prompts of exactly ``input_len`` token ids; request ``i`` uses ``prompts[i % n]``, the
-    temperature ``temperatures[i % n]`` when the workload sets one per prompt, and its
-    ``max_tokens`` scaled by ``length_factors[i % n]`` when it sets those."""
+    """Prompts of exactly ``input_len`` token ids (the agentic workload's: at most); request
+    ``i`` uses ``prompts[i % n]``, the temperature ``temperatures[i % n]`` when the workload
+    sets one per prompt, and its ``max_tokens`` scaled by ``length_factors[i % n]`` when it
+    sets those."""
 
     prompts: list[list[int]]
     input_len: int
