@@ -24,7 +24,9 @@ from specbatch.kernels.cpu import CpuKernels, cpu_kernels
 from specbatch.testing.checkpoints import make_random_checkpoint
 
 # The tests run tiny models: one intra-op thread is as fast as two on them, and it keeps the
-# suite from oversubscribing the cores when Ray workers or parallel jobs share the machine.
+# suite from oversubscribing the cores when Ray workers or parallel jobs share the machine: each
+# pytest-xdist worker (pyproject's addopts: two) runs here, so each has one thread. The tests of
+# several threads set them themselves (test_cpu_attention*.py).
 torch.set_num_threads(1)
 
 # Without CUDA, triton runs nothing, yet torch._dynamo imports it where it is installed (an
@@ -35,6 +37,32 @@ torch.set_num_threads(1)
 # machine without it (``None`` in sys.modules makes ``import triton`` raise ImportError).
 if not torch.cuda.is_available():
     sys.modules.setdefault("triton", None)
+
+
+def _xdist_groups(item: pytest.Item) -> str:
+    names = {
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` on an xdist worker: each test of an ``xdist_group`` gets the
+    ``@group`` suffix on its node id, which is how the controller sends a group's tests to one
+    worker. pytest-xdist (3.8) writes it to ``item._nodeid``, a field pytest 9.2 no longer reads
+    (its node ids are ``item._id``; pytest-xdist issue #1386), and every group is then silently
+    spread over the workers. Runs after xdist's hook, and only where the suffix is missing."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
+        return
+    for item in items:
+        groups = _xdist_groups(item)
+        if not groups or item.nodeid.endswith(f"@{groups}"):
+            continue
+        from _pytest.nodeid import NodeId  # pytest >= 9.2, where xdist's suffix is lost
+
+        item._id = NodeId.parse(f"{item.nodeid}@{groups}")
 
 
 @pytest.fixture(scope="session")

@@ -170,6 +170,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# with the Ray tests (pytest-xdist): none of their clusters runs meanwhile on the port it picks
+@pytest.mark.xdist_group("ray")
 def test_a_ray_address_where_nothing_listens_fails_fast(
     models: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -45,6 +45,10 @@ from tests.test_cli_errors import with_nans
 
 ray = pytest.importorskip("ray")
 
+# one Ray on the machine at a time: pytest-xdist runs every test that starts Ray on one worker
+# (two clusters at once on 2 cores put each other's timeouts at risk)
+pytestmark = pytest.mark.xdist_group("ray")
+
 GAMMA = 3
 ENGINE = dict(num_kv_blocks=512, block_size=4, max_model_len=64, seed=3)
 PROMPTS: list[Any] = [{"prompt_token_ids": [1 + i % 29, 2 + i % 7, 3 + i % 5]} for i in range(24)]

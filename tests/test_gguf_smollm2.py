@@ -19,6 +19,10 @@ from specbatch import LLM, SamplingParams
 
 MAX_NEW = 32
 EOS = 2  # <|im_end|>
+
+# one worker (pytest-xdist) runs the module: the file is fetched and ``replies`` generated once
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],

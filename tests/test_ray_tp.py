@@ -35,10 +35,15 @@ from tests.test_exactness import PROMPT, assert_matches, engine, sample_sequence
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
+    # one Ray on the machine at a time: pytest-xdist runs every test that starts Ray on one
+    # worker (two clusters at once on 2 cores put each other's timeouts at risk)
+    pytest.mark.xdist_group("ray"),
+]
 
 SEED = 3
 GAMMA = 3

@@ -16,6 +16,10 @@ from specbatch.engine.prometheus import parse_metrics
 from specbatch.entrypoints.openai_server import build_app
 from tests.test_server import MODEL, ServerThread, engine_kwargs, wait_for, wait_pool_full
 
+# one worker runs the module's tests in order (pytest-xdist): they share one server, and
+# test_two_servers_in_one_process_keep_their_own_counts reads what the first test counted
+pytestmark = pytest.mark.xdist_group("server_metrics")
+
 VLLM_NAMES = (  # vLLM's metrics (vllm:NAME) that a dashboard reads, by the same name here
     "num_requests_running",
     "num_requests_waiting",

@@ -45,10 +45,14 @@ from specbatch.model.layers.weights import Loaded, get_weight_loader, read_all
 from specbatch.model.loader import load_model
 from tests.test_model import SCHEDULE, random_tokens, run_schedule
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
+    # one worker (pytest-xdist) runs the module: ``outputs`` runs the two ranks once
+    pytest.mark.xdist_group("tp_layers"),
+]
 
 WORLD = 2
 HIDDEN, INTER, TOKENS = 16, 24, 5

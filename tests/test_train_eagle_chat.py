@@ -28,6 +28,9 @@ from eagle_head import DistillLoss, Head  # noqa: E402
 
 VOCAB = 128  # the draft vocabulary, of the tiny target's 256
 
+# one worker (pytest-xdist) runs the module: its ``run`` fixture trains a head, once
+pytestmark = pytest.mark.xdist_group("train_eagle_chat")
+
 
 def script(name: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPTS / name), "--threads", "1", *args],
