@@ -87,9 +87,11 @@ def engine(pair, gamma: int, seed: int = 0, **kw) -> LLM:
     return LLM(str(target), **args)
 
 
+# gamma 6 at temperature 0.7 only: the temperature is applied row by row (sampler.py, the same
+# for a chain of any length), and temperature 1 (no scaling) runs at gammas 1 and 3
 @pytest.mark.parametrize(
     ("gamma", "temperature", "top_p"),
-    [(1, 1.0, 1.0), (3, 1.0, 1.0), (6, 1.0, 1.0), (3, 0.7, 1.0), (6, 0.7, 1.0), (3, 1.0, 0.9)],
+    [(1, 1.0, 1.0), (3, 1.0, 1.0), (3, 0.7, 1.0), (6, 0.7, 1.0), (3, 1.0, 0.9)],
 )
 def test_joint_of_first_three_tokens_is_the_targets(pair, gamma, temperature, top_p):
     llm = engine(pair, gamma, seed=gamma)
@@ -193,7 +195,9 @@ def penalised_params(gamma: int, temperature: float) -> list[SamplingParams]:
     ] * N
 
 
-@pytest.mark.parametrize(("gamma", "temperature"), [(1, 1.0), (4, 1.0), (1, 0.7), (4, 0.7)])
+# each gamma and each temperature, not every pair: the temperature scales the penalised logits
+# row by row, whatever the number of drafts before the row
+@pytest.mark.parametrize(("gamma", "temperature"), [(1, 1.0), (4, 0.7)])
 def test_penalties_and_min_tokens_keep_the_penalised_distribution(pair, gamma, temperature):
     """Penalties and min_tokens under speculation: every verified position is penalised with
     the drafts before it, so the joint is that of plain penalised sampling (written out

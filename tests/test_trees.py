@@ -57,9 +57,19 @@ def engine(pair, method: str, seed: int = 0, backend: str = "auto", **spec) -> L
     )
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-@pytest.mark.parametrize("children", ["sampled", "top"])
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+# Each (temperature, top_p) with both ways of choosing children, and each drafter with both
+# settings and both ways, but not every drafter with every combination: in a tree a drafter
+# gives only the roots' logits and each depth's pass (draft_loop.grow); q (temperature, top-p),
+# the children and the verification rule are TreeGrower's and the worker's, one code for both.
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "children", "method"),
+    [
+        (1.0, 1.0, "sampled", "draft_model"),
+        (1.0, 1.0, "top", "eagle3"),
+        (0.7, 0.9, "sampled", "eagle3"),
+        (0.7, 0.9, "top", "draft_model"),
+    ],
+)
 def test_tree_sampling_is_the_targets_law(pair, method, children, temperature, top_p):
     llm = engine(pair, method, seed=3, tree_children=children)
     params = [
