@@ -19,11 +19,19 @@ from typing import Any
 from specbatch.errors import InvalidInputError
 from specbatch.model.checkpoint_files import check_checkpoint_files, checkpoint_files
 from specbatch.model.config_fields import check_config_fields, read_config_json
+from specbatch.model.gemma import (
+    GEMMA_ARCHITECTURES,
+    check_gemma_activation,
+    check_gemma_config,
+    gemma_architecture,
+)
 from specbatch.model.gguf_checkpoint import find_gguf_file, has_tokenizer, open_gguf
 from specbatch.model.gguf_config import gguf_hf_config
 from specbatch.model.gguf_tensors import check_tensor_types
 from specbatch.model.layers.rotary import compute_inv_freq
-from specbatch.model.llama import check_architecture, head_dim_of, sliding_window_of
+from specbatch.model.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
+from specbatch.model.llama import architecture_of, head_dim_of, sliding_window_of
+from specbatch.model.llama import check_architecture as check_llama_architecture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -54,7 +62,8 @@ class ModelConfig:
     @property
     def context_length(self) -> int:
         n = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
-        window = sliding_window_of(self.hf_config)
+        # Gemma's sliding layers are windowed; a Llama-family window caps the context
+        window = None if gemma_architecture(self.hf_config) else sliding_window_of(self.hf_config)
         return (min(n, window) if n else window) if window else n
 
 
@@ -111,9 +120,30 @@ def load_hf_config(path: str | Path, architecture: bool = True) -> Any:
         raise InvalidInputError(f"cannot read '{p / 'config.json'}': {e}") from None
 
 
+def check_architecture(hf_config: Any) -> str:
+    """The config's architecture, if specbatch implements it (and its activation)."""
+    gemma = gemma_architecture(hf_config)
+    if gemma is not None:
+        check_gemma_activation(hf_config)
+        return gemma
+    arch = architecture_of(hf_config)
+    if arch in LLAMA_ARCHITECTURES:
+        return check_llama_architecture(hf_config)
+    hint = ""
+    if arch.endswith("ForConditionalGeneration"):
+        hint = " (a multimodal model: only text models run; load its text-only causal LM)"
+    raise InvalidInputError(
+        f"architecture '{arch}' is not supported{hint}; supported: "
+        + ", ".join((*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES))
+    )
+
+
 def check_config(hf_config: Any) -> None:
     """Architecture, activation and rope type, before any loading."""
     check_architecture(hf_config)
+    if gemma_architecture(hf_config) is not None:
+        check_gemma_config(hf_config)
+        return
     compute_inv_freq(hf_config, head_dim_of(hf_config))  # raises for unsupported rope types
 
 

@@ -24,7 +24,14 @@ REQUIRED_INTS = (
 )
 # Optional (absent or null: a default or a value derived from the others).
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
-OPTIONAL_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+OPTIONAL_POSITIVE_NUMBERS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "query_pre_attn_scalar",  # Gemma's
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_local_base_freq",
+)
 OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 
 

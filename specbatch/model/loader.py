@@ -17,6 +17,7 @@ from safetensors import safe_open
 from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.model.checkpoint import ModelConfig, at, check_tensor_parallel, read_checkpoint
+from specbatch.model.gemma import GemmaForCausalLM, gemma_architecture, needs_torch_attention
 from specbatch.model.gguf_checkpoint import open_gguf
 from specbatch.model.gguf_tensors import named_tensors
 from specbatch.model.layers.attention import AttentionBackend
@@ -25,25 +26,27 @@ from specbatch.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
+CausalLM = LlamaForCausalLM | GemmaForCausalLM
+
 # Checkpoint tensors that are not weights (old checkpoints saved the rotary buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".inv_freq")
 
 
-def _map_name(model: LlamaForCausalLM, hf_name: str) -> tuple[str, object]:
+def _map_name(model: CausalLM, hf_name: str) -> tuple[str, object]:
     for hf_part, (ours, shard) in model.packed_modules.items():
         if f".{hf_part}." in hf_name:
             return hf_name.replace(f".{hf_part}.", f".{ours}."), shard
     return hf_name, None
 
 
-def _hf_name(model: LlamaForCausalLM, name: str, shard: object) -> str:
+def _hf_name(model: CausalLM, name: str, shard: object) -> str:
     for hf_part, (ours, s) in model.packed_modules.items():
         if shard == s and f".{ours}." in name:
             return name.replace(f".{ours}.", f".{hf_part}.")
     return name
 
 
-def _expected(model: LlamaForCausalLM) -> set[tuple[str, object]]:
+def _expected(model: CausalLM) -> set[tuple[str, object]]:
     """Every (parameter, shard) the checkpoint must provide."""
     shards_of: dict[str, list[object]] = {}
     for ours, shard in model.packed_modules.values():
@@ -72,7 +75,7 @@ def safetensors_weights(files: list[Path]) -> Iterator[tuple[str, Loaded]]:
                 yield hf_name, f.get_slice(hf_name)
 
 
-def load_named_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Loaded]]) -> None:
+def load_named_weights(model: CausalLM, weights: Iterable[tuple[str, Loaded]]) -> None:
     """Fill every parameter from ``weights`` (Hugging Face names, full tensors or lazy slices);
     raise naming any weight they lack."""
     params = dict(model.named_parameters())
@@ -114,7 +117,7 @@ def load_model(
     tp: TensorParallelGroup = SINGLE,
     attention_backend: AttentionBackend | None = None,
     use_cpu_kernels: bool = True,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """This rank's shard of a checkpoint (as ``read_checkpoint`` read it, or its path: a Hugging
     Face checkpoint directory, a GGUF file or a folder holding one), in ``dtype`` on ``device``,
     ready to run: on a CPU through specbatch's kernels where they are available
@@ -133,13 +136,20 @@ def load_model(
             "(see the warning above; SPECBATCH_CPU_KERNELS=0 turns them off)",
             "batch_invariant",
         )
+    torch_only = needs_torch_attention(checkpoint.hf_config)
+    if checkpoint.kernels_required and torch_only:
+        raise InvalidInputError(
+            f"batch_invariant needs specbatch's CPU kernels for every op: {torch_only}",
+            "batch_invariant",
+        )
     try:
         hf_config = checkpoint.hf_config
         if checkpoint.files:
             weights = safetensors_weights([Path(f) for f in checkpoint.files])
         else:  # a GGUF file: its tensors under Hugging Face names, dequantized when read
             weights = named_tensors(open_gguf(Path(checkpoint.path)), hf_config)
-        model = LlamaForCausalLM(hf_config, dtype, device, tp, attention_backend)
+        cls = GemmaForCausalLM if gemma_architecture(hf_config) else LlamaForCausalLM
+        model = cls(hf_config, dtype, device, tp, attention_backend)
         load_named_weights(model, weights)
     except InvalidInputError as e:
         raise at(checkpoint.field, e) from None

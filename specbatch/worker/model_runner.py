@@ -74,6 +74,7 @@ class ModelRunner:
         breaks, and an explicitly named backend reject it early; None: "auto" keeps torch."""
         self.config = model_config
         self.device = device
+        from specbatch.model.gemma import needs_torch_attention
         from specbatch.model.llama import head_dim_of
 
         self.backend = select_backend(
@@ -82,6 +83,7 @@ class ModelRunner:
             dtype=model_config.dtype,
             block_size=block_size,
             head_dim=head_dim_of(model_config.hf_config),
+            torch_only=needs_torch_attention(model_config.hf_config),
         )
         self.model = load_model(
             model_config, model_config.dtype, device, tp, attention_backend=self.backend

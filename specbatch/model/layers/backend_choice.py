@@ -81,6 +81,7 @@ def select_backend(
     dtype: torch.dtype | None = None,
     block_size: int | None = None,
     head_dim: int | None = None,
+    torch_only: str | None = None,
 ) -> AttentionBackend:
     """The attention backend for a device: ``name`` is ``"auto"`` or one of ``BACKEND_NAMES``.
 
@@ -92,8 +93,20 @@ def select_backend(
     (or ``block_size`` / ``dtype``). "auto" picks flash-attn, else xformers, else torch on CUDA
     with fp16/bf16, skipping a backend whose block-size rule ``block_size`` breaks (so the
     default 16 keeps torch, as does an unknown ``block_size``).
+
+    ``torch_only``: why the model runs on the torch backend alone (its attention soft-caps its
+    scores or slides a window, which only that backend's layout is read for); "auto" then
+    picks "torch" on any device, and naming another backend raises with that reason.
     """
     dev = torch.device(device)
+    if torch_only is not None:
+        if name not in ("auto", "torch"):
+            raise InvalidInputError(
+                f"attention_backend '{name}' cannot run this model: {torch_only}; use 'torch' "
+                "or 'auto'",
+                "attention_backend",
+            )
+        return TorchAttentionBackend()
     if dev.type == "cpu" and name in ("auto", "cpu"):
         backend, why = _cpu_backend(head_dim, dtype)
         if backend is not None:
