@@ -20,7 +20,14 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+# What llama.cpp's loader assumes where a Gemma file says nothing (with the rest in
+# _gemma_fields): every n-th layer global, and the 27B models (told by their layer counts)
+# scaling queries by hidden_size / heads rather than the head size.
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
 
@@ -114,7 +121,6 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
         "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon"),
         "rope_theta": m.float("rope.freq_base", required=False) or 10000.0,
         "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": "silu",
         "dtype": stored_dtype(reader),
         "bos_token_id": bos if isinstance(bos, int) else None,
         "eos_token_id": eos if isinstance(eos, int) else None,
@@ -122,6 +128,10 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    if arch in GEMMA_PATTERN:
+        kwargs.update(_gemma_fields(m, hidden, heads, head_dim))
+    else:
+        kwargs["hidden_act"] = "silu"
     scaling = _rope_scaling(m, names)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
@@ -131,6 +141,48 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
         return getattr(transformers, ARCHITECTURES[arch][0])(**kwargs)
     except Exception as e:  # transformers validates some fields itself
         raise InvalidInputError(f"'{file}': its metadata make no valid config: {e}") from None
+
+
+def _gemma_fields(m: _Metadata, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma's settings: soft-capping, the window and which layers slide, the query scale."""
+    layers = m.int("block_count")
+    assert layers is not None
+    gemma2 = m.arch == "gemma2"
+    pattern = m.reader.fields.get(f"{m.arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:
+        sliding = [bool(p) for p in pattern]
+    else:
+        if pattern is None:
+            pattern = GEMMA_PATTERN[m.arch]
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise m._fail(
+                f"{m.arch}.attention.sliding_window_pattern",
+                f"an integer >= 1 or {layers} booleans",
+                pattern,
+            )
+        sliding = [bool((i + 1) % pattern) for i in range(layers)]
+    scale = m.float("attention.scale", required=False)
+    if scale is not None:  # transformers' configs hold the scalar as an integer
+        scalar = round(scale**-2) if abs(scale**-2 - round(scale**-2)) < 1e-3 else scale**-2
+    elif layers == GEMMA_27B_LAYERS[m.arch]:
+        scalar = hidden // heads
+    else:
+        scalar = head_dim
+    window = m.int("attention.sliding_window", required=not gemma2) or 4096
+    fields: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcapping": m.float("attn_logit_softcapping", required=False),
+        "final_logit_softcapping": m.float("final_logit_softcapping", required=False),
+    }
+    if gemma2:
+        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            fields[key] = fields[key] or default
+    else:
+        fields["rope_local_base_freq"] = 10000.0
+    return fields
 
 
 def _vocab_size(reader: GGUFFile, m: _Metadata) -> int:

@@ -5,7 +5,10 @@ weight``) and, for the "llama" architecture, reorders the rows of the query and 
 its rotary embedding rotates adjacent pairs (x0, x1), (x2, x3)... where Hugging Face's rotates
 the two halves of each head, (x0, x_{d/2}), (x1, x_{d/2+1})... so its converter interleaves each
 head's two halves. Undoing that order gives back the Hugging Face weights. Qwen2 and Qwen3 files
-keep the halves layout and are left as they are.
+keep the halves layout and are left as they are. Gemma files store every RMSNorm weight as
+``1 + weight`` (the factor Gemma's norm multiplies by), and name the norms around the MLP
+otherwise: the weight is read back by subtracting 1, so that the norm's ``1 + weight`` in
+float32 is the stored factor exactly (for factors of at least 0.5).
 """
 
 from __future__ import annotations
@@ -40,17 +43,24 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for a tensor the model has no place for."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
+    layer = _GEMMA_LAYER if gemma else _LAYER
     m = _LAYER_NAME.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER:
+    if m is None or m.group(2) not in layer:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -65,8 +75,12 @@ class GGUFTensor:
     """One tensor of the file, read (and dequantized to float32) when first indexed, as the
     loader's weight loaders read a safetensors slice."""
 
-    def __init__(self, reader: GGUFFile, info: TensorInfo, permute_heads: int | None) -> None:
+    def __init__(
+        self, reader: GGUFFile, info: TensorInfo, permute_heads: int | None, offset: float = 0.0
+    ) -> None:
+        """``offset``: added to every value once read (-1: a Gemma norm's weight)."""
         self.reader, self.info, self.permute_heads = reader, info, permute_heads
+        self.offset = offset
         self._value: torch.Tensor | None = None
 
     def get_shape(self) -> list[int]:
@@ -93,6 +107,8 @@ class GGUFTensor:
         value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(t.shape)
         if self.permute_heads is not None:
             value = unpermute_rows(value, self.permute_heads)
+        if self.offset:
+            value += self.offset
         return value
 
 
@@ -125,8 +141,10 @@ def named_tensors(reader: GGUFFile, hf_config: Any) -> Iterator[tuple[str, GGUFT
     """Every tensor of the file by Hugging Face name (its own name when it has none, so the
     loader lists it as unexpected), none read yet."""
     llama = hf_config.model_type == "llama"
+    gemma = hf_config.model_type in ("gemma2", "gemma3_text")
     heads = {"attn_q": int(hf_config.num_attention_heads), "attn_k": hf_config.num_key_value_heads}
     for t in reader.tensors:
         part = t.name.split(".")[2] if t.name.startswith("blk.") else None
         permute = heads.get(part) if llama and part is not None else None
-        yield (hf_name(t.name) or t.name), GGUFTensor(reader, t, permute)
+        offset = -1.0 if gemma and t.name.endswith("norm.weight") else 0.0
+        yield (hf_name(t.name, gemma) or t.name), GGUFTensor(reader, t, permute, offset)
