@@ -3,12 +3,13 @@ tokens of the sequences a tree holds, with how often it occurs, so that the long
 a request's recent tokens are found and their most frequent continuations proposed. Plain
 Python, no torch.
 
-Representation. An explicit node is a substring that occurs at least twice, with its count
-(occurrences, counted by where they start). A substring that occurs once is not stored token by
-token: its parent's child is a *tail*, a reference to that one occurrence (sequence, position of
-its next token) read from the sequence itself, which may still be growing, down to ``depth``. A
-tail is split into a node when a second occurrence reaches it. So unique text costs one tail a
-token, and the nodes are the repeated substrings: at most ``depth`` a token held.
+Representation. An explicit node is a substring that occurred at least twice, with its count
+(occurrences, counted by where they start; a removal may leave it one). A substring that occurs
+once is not stored token by token: its parent's child is a *tail*, a reference to that one
+occurrence (sequence, position of its next token) read from the sequence itself, which may
+still be growing, down to ``depth``. A tail is split into a node when a second occurrence
+reaches it. So unique text costs one tail a token, and the nodes are the repeated substrings:
+at most ``depth`` a token held.
 
 Appending a token extends each suffix of the sequence shorter than ``depth`` by it; each such
 suffix keeps its place (the deepest explicit node on its path known to it, which a split may
