@@ -145,7 +145,9 @@ def _drafter(engine: LLMEngine, asked: int | str | None) -> tuple[str, int, bool
                 "num_speculative_tokens",
             )
         raise InvalidInputError(NO_DRAFTER, "model")
-    where = cfg.draft.path if cfg.draft is not None else "prompt lookup"
+    lookups = {"ngram": "prompt lookup", "suffix": "suffix trees",
+               "self_sparse": "the target over a sparse view of its cache"}  # fmt: skip
+    where = cfg.draft.path if cfg.draft is not None else lookups.get(spec.method, spec.method)
     return f"{spec.method}: {where}", spec.depth, spec.auto
 
 

@@ -146,6 +146,7 @@ def drafters(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Temp
         "eagle3": str(make_eagle_head(heads / "eagle3", target, "eagle3")),
         "ngram": None,
         "self_sparse": None,
+        "suffix": None,
     }
 
 
@@ -171,6 +172,7 @@ def test_the_registry_builds_each_drafter_from_speculative_config(
         while engine.has_unfinished_requests():
             engine.step()
         rounds = engine.metrics.summary()["spec_rounds"]
-        assert rounds or method == "ngram"  # a random target's output rarely repeats the prompt
+        # a lookup drafts only what repeats: a random target's output rarely repeats the prompt
+        assert rounds or not kind.samples
     finally:
         engine.shutdown()

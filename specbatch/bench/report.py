@@ -70,6 +70,8 @@ def drafter_label(cfg: dict) -> str:
         return f"{method or 'draft_model'} {cfg['draft_model'] or spec['model']}"
     if method == "ngram":
         return "ngram (prompt lookup)"
+    if method == "suffix":
+        return "suffix (its own and earlier requests' tokens)"
     if method == "self_sparse":
         return "self_sparse (the target over its cache's sinks and window)"
     if cfg["model"] is None:
