@@ -7,7 +7,8 @@ keys and values in shuffled blocks, as many caches as the target has layers so t
 stream from memory as in a real forward. A sequence sends one query row when decoding and
 k + 1 when its k drafts are verified. The paths (and with ``--baseline REV`` the kernels built
 from REV's sources) take turns within each round; a cell is the median of the rounds. KV GB/s:
-the keys and values read, over the time.
+the keys and values read, over the time; stream GB/s: a plain read of as many bytes in the same
+rounds (what one core streams from memory).
 
     OMP_NUM_THREADS=1 python benchmarks/attention_rows.py [--batch-sizes 1 8 64] \
         [--contexts 128 512] [--query-rows 1 3 5] [--dtypes bfloat16] [--baseline REV] \
@@ -40,6 +41,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.gemm_rows import TARGET_CONFIG
+from specbatch.bench.long_context import streaming_rate
 from specbatch.kernels.build import load_module
 from specbatch.kernels.cpu import CpuKernels, cpu_kernels
 
@@ -162,9 +164,11 @@ def main() -> None:
     paths = [(name, build) for name in args.dtypes for build in builds]
     clock = CLOCKS[args.clock]
     times: dict[tuple[str, str, int, int, int], list[float]] = {}
+    stream: dict[tuple[int, int], list[float]] = {}  # a plain read of as many bytes, GB/s
     for b in args.batch_sizes:
         for c in args.contexts:
             caches = {name: caches_of(kernels, DTYPES[name], b, c) for name in args.dtypes}
+            largest = max(sum(k.nbytes + v.nbytes for k, v in cs) for cs in caches.values())
             queries = {(name, r): queries_of(DTYPES[name], b, c, r)
                        for name in args.dtypes for r in args.query_rows}  # fmt: skip
             repeat = max(2, 4096 // (b * c // 16))
@@ -174,9 +178,10 @@ def main() -> None:
                         times.setdefault((name, build.label, b, c, r), []).append(
                             forward_ms(build, caches[name], queries[(name, r)], repeat, clock)
                         )
+                stream.setdefault((b, c), []).append(streaming_rate(largest) / 1e9)
             del caches
     median = {key: statistics.median(v) for key, v in times.items()}
-    heads, table, cells = ["batch", "context", "rows"], [], []
+    heads, table, cells = ["batch", "context", "rows", "stream GB/s"], [], []
     for name, build in paths:
         tag = name if len(builds) == 1 else f"{name} {build.label}"
         heads += [f"{tag} ms", "GB/s"]
@@ -185,7 +190,7 @@ def main() -> None:
     for b in args.batch_sizes:
         for c in args.contexts:
             for r in args.query_rows:
-                row: list[object] = [b, c, r]
+                row: list[object] = [b, c, r, f"{statistics.median(stream[(b, c)]):.1f}"]
                 for name, build in paths:
                     ms = median[(name, build.label, b, c, r)]
                     kv_bytes = 2 * layers * b * c * hkv * d * torch.finfo(DTYPES[name]).bits // 8

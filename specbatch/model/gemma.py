@@ -34,11 +34,18 @@ from specbatch.model.layers.attention import (
     TorchAttentionBackend,
 )
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from specbatch.model.layers.linear import QKVParallelLinear, RowParallelLinear, divide
+from specbatch.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from specbatch.model.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from specbatch.model.layers.weights import new_param
 from specbatch.model.layers.window_attention import window_attention
-from specbatch.model.llama import KVCache, LlamaForCausalLM, LlamaMLP, head_dim_of, num_kv_heads_of
+from specbatch.model.llama import (
+    KVCache,
+    LlamaForCausalLM,
+    LlamaMLP,
+    head_dim_of,
+    num_kv_heads_of,
+    take_shape,
+)
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _BY_MODEL_TYPE = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -339,15 +346,7 @@ class GemmaForCausalLM(nn.Module):
         self.device = torch.device(device)
         self.tp = tp
         self.attention_backend = attention_backend
-        self.vocab_size = int(hf_config.vocab_size)
-        self.hidden_size = int(hf_config.hidden_size)
-        self.head_dim = head_dim_of(hf_config)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.num_heads_local = divide(
-            int(hf_config.num_attention_heads), tp.size, "num_attention_heads"
-        )
-        self.num_kv_heads_local = divide(num_kv_heads_of(hf_config), tp.size, "num_key_value_heads")
-        self.max_position_embeddings = int(hf_config.max_position_embeddings)
+        take_shape(self, hf_config, tp)
         self.sliding_window = None  # no cap on the context: the sliding layers are windowed
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         self.final_softcap = float(getattr(hf_config, "final_logit_softcapping", None) or 0) or None

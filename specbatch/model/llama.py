@@ -268,6 +268,19 @@ class LlamaModel(nn.Module):
         return self.norm.add_and_norm(h, residual)[0], [seen[i] for i in streams]
 
 
+def take_shape(model: nn.Module, hf_config: Any, tp: TensorParallelGroup) -> None:
+    """The sizes a causal LM exposes to the engine (its vocabulary, hidden size, heads on this
+    rank, layers, positions), read off ``hf_config``."""
+    model.vocab_size = int(hf_config.vocab_size)
+    model.hidden_size = int(hf_config.hidden_size)
+    model.head_dim = head_dim_of(hf_config)
+    model.num_layers = int(hf_config.num_hidden_layers)
+    heads = int(hf_config.num_attention_heads)
+    model.num_heads_local = divide(heads, tp.size, "num_attention_heads")
+    model.num_kv_heads_local = divide(num_kv_heads_of(hf_config), tp.size, "num_key_value_heads")
+    model.max_position_embeddings = int(hf_config.max_position_embeddings)
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM; this rank's shard when ``tp.size > 1``.
 
@@ -304,15 +317,7 @@ class LlamaForCausalLM(nn.Module):
         self.device = torch.device(device)
         self.tp = tp
         self.attention_backend = attention_backend
-        self.vocab_size = int(hf_config.vocab_size)
-        self.hidden_size = int(hf_config.hidden_size)
-        self.head_dim = head_dim_of(hf_config)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.num_heads_local = divide(
-            int(hf_config.num_attention_heads), tp.size, "num_attention_heads"
-        )
-        self.num_kv_heads_local = divide(num_kv_heads_of(hf_config), tp.size, "num_key_value_heads")
-        self.max_position_embeddings = int(hf_config.max_position_embeddings)
+        take_shape(self, hf_config, tp)
         self.sliding_window = sliding_window_of(hf_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
 
