@@ -101,3 +101,12 @@ def test_the_engine_measures_its_prices_and_extra_rows_cost_less(backend):
     again = measure_kv_price(worker.target.model, worker.target.backend, 16)
     assert again is not None and again.seconds(1000, 4) >= again.seconds(1000, 1)
     assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+
+
+def test_self_sparse_drafts_at_the_targets_price_over_its_view():
+    """The target's own layers draft: one measurement serves both, and a draft row reads the
+    sinks and the window only."""
+    spec = {"method": "self_sparse", "num_speculative_tokens": "auto", "window": 32, "sinks": 4}
+    llm = LLM(speculative_config=spec, num_kv_blocks=256, max_model_len=256)
+    kv = llm.engine.scheduler.policy.kv
+    assert kv.target is not None and kv.draft is kv.target and kv.draft_view == 36

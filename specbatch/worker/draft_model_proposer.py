@@ -33,8 +33,8 @@ class DraftModelProposer(Drafter):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
 
-    def attention(self) -> tuple[torch.nn.Module, object]:
-        return self.runner.model, self.runner.backend
+    def attention(self) -> tuple[torch.nn.Module, object, None]:
+        return self.runner.model, self.runner.backend, None
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.runner.copy_blocks(src, dst)

@@ -73,8 +73,8 @@ class EagleProposer(Drafter):
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         copy_blocks(self.kv_caches, src, dst, self.device)
 
-    def attention(self) -> tuple[torch.nn.Module, object]:
-        return self.head, self.head.attention_backend
+    def attention(self) -> tuple[torch.nn.Module, object, None]:
+        return self.head, self.head.attention_backend, None
 
     def finish_request(self, request_id: str) -> None:
         self.pending.pop(request_id, None)

@@ -117,9 +117,10 @@ class Drafter:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
-    def attention(self) -> tuple[torch.nn.Module, object] | None:
-        """The model whose paged attention its passes run, and that attention's backend
-        (None: none of its own)."""
+    def attention(self) -> tuple[torch.nn.Module, object, int | None] | None:
+        """The model whose paged attention its passes run, that attention's backend, and the
+        most cached keys a pass reads of a request (None: its whole context); None: it runs no
+        attention."""
         return None
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

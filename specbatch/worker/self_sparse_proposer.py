@@ -40,6 +40,9 @@ class SelfSparseProposer(Drafter):
         spec = config.speculative_config
         self.sinks, self.window = spec.sinks, spec.window
 
+    def attention(self) -> tuple[torch.nn.Module, object, int]:
+        return self.target.model, self.target.backend, self.sinks + self.window
+
     def propose(self, step: DraftRound) -> Proposal:
         active = drafting(step)
         if not active:

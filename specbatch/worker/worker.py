@@ -130,11 +130,12 @@ class Worker:
     def _kv_prices(self) -> KvPrices:
         bs = self.config.block_size
         target = measure_kv_price(self.target.model, self.target.backend, bs)
-        spec = self.config.speculative_config
-        if spec.method == "self_sparse":  # the target's own passes over a sparse view
-            return KvPrices(target, target, spec.sinks + spec.window)
         own = self.drafter.attention() if self.drafter is not None else None
-        return KvPrices(target, own and measure_kv_price(*own, bs), None)
+        if own is None:
+            return KvPrices(target, None, None)
+        model, backend, view = own
+        same = model is self.target.model  # the target's own layers draft: priced once
+        return KvPrices(target, target if same else measure_kv_price(model, backend, bs), view)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
