@@ -22,7 +22,7 @@ from specbatch import LLM, SamplingParams
 from specbatch.bench.machine import cpu_model
 from specbatch.draft_shape import DraftShape
 from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from specbatch.scheduler.draft_controller import DraftController
+from specbatch.scheduler.draft_controller import DraftController, sampling_class
 from specbatch.scheduler.speculation import FixedDraft
 
 
@@ -129,7 +129,7 @@ def predicted_step_ms(
     drafting ``shape`` each to take (None: the policy is not auto's, or has priced nothing)."""
     if not isinstance(policy, DraftController):
         return None
-    cls = (0.0, 1.0, 0, 0.0) if temperature == 0 else (temperature, 1.0, 0, 0.0)
+    cls = sampling_class(SamplingParams(temperature=temperature))
     behind = {cls: float(batch) if shape.nodes else 0.0}  # its first pass: a row a request
     seconds = policy.seconds({cls: batch}, {cls: shape}, 0, behind, None, {cls: float(context)})
     return None if seconds is None else 1000 * seconds

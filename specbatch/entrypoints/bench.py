@@ -166,6 +166,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 def long_context_config(args: argparse.Namespace) -> Any:
     """The long-context test's settings from the offline bench's flags."""
     from specbatch.bench.long_context import LongContextConfig
+    from specbatch.entrypoints.bench_long_context import check
     from specbatch.speculative_config import normalise
 
     ks = [k for k in args.draft_lengths if k != "auto"]
@@ -185,9 +186,7 @@ def long_context_config(args: argparse.Namespace) -> Any:
         temperature=args.temperature, repeats=args.repeats,
         dtype=dtype if dtype in ("bfloat16", "float32") else "bfloat16",
     )  # fmt: skip
-    for name in ("context_lens", "batch_sizes"):
-        if bad := [v for v in getattr(cfg, name) if v < 1]:
-            raise InvalidInputError(f"{name}: each must be >= 1, got {bad[0]}", name)
+    check(cfg)
     return cfg
 
 

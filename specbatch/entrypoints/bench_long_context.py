@@ -73,7 +73,8 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace) -> None:
+def check(args: Any) -> None:
+    """The long-context settings (flags, or a ``LongContextConfig``), named by their flags."""
     for name in ("context_lens", "batch_sizes"):
         if bad := [v for v in getattr(args, name) if v < 1]:
             raise invalid("--" + name.replace("_", "-"), f": each must be >= 1, got {bad[0]}")
@@ -87,7 +88,7 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from specbatch.bench.long_context import LongContextConfig
 
-    _check(args)
+    check(args)
     cfg = LongContextConfig(
         model=args.model, context_lens=list(args.context_lens), batch_sizes=list(args.batch_sizes),
         output_len=args.output_len, draft_length=args.draft_length, window=args.window,

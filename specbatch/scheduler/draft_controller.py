@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
+from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.draft_yield import PRIOR_WEIGHT, chain_tokens, lean, tree_bound
 from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import SchedulerOutput, StepResult
@@ -75,9 +76,8 @@ Rates = tuple[float, ...]  # the acceptance at each depth 1, 2, ...
 Shapes = dict[SamplingClass, DraftShape]  # a plan: each class's shape
 
 
-def sampling_class(req: Request) -> SamplingClass:
+def sampling_class(p: SamplingParams) -> SamplingClass:
     """Requests expected to accept drafts alike: greedy ones, or those sampled the same way."""
-    p = req.sampling_params
     return (0.0, 1.0, 0, 0.0) if p.greedy else (p.temperature, p.top_p, p.top_k, p.min_p)
 
 
@@ -293,7 +293,7 @@ class DraftController:
         self._served = shapes is not None
         if shapes is not None:
             return shapes
-        classes = [sampling_class(r) for r in requests]
+        classes = [sampling_class(r.sampling_params) for r in requests]
         groups: dict[SamplingClass, list[Request]] = defaultdict(list)
         for c, r in zip(classes, requests, strict=True):
             groups[c].append(r)
@@ -538,9 +538,9 @@ class DraftController:
     def _kv_of(self, plan: SchedulerOutput) -> tuple[float, float]:
         """The seconds ``plan``'s target pass spent reading its decoding requests' caches, and
         those each of its drafter's rows spent (the mean over its drafting requests)."""
-        target, views = 0.0, []
         if self.kv is None:
             return 0.0, 0.0
+        target, views = 0.0, []
         for r in plan.requests:
             rows = len(r.target_token_ids) + r.num_draft
             context = r.target_start + rows
