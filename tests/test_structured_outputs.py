@@ -232,6 +232,35 @@ def test_requests_wait_for_their_grammar_and_others_run_meanwhile(pair, monkeypa
     assert e.num_free_kv_blocks == e.num_kv_blocks
 
 
+def test_a_grammar_that_compiles_while_the_engine_looks_is_not_a_failure(pair, monkeypatch):
+    """A grammar that finishes compiling between two of the engine's looks at it runs its
+    request: only a compile that raised aborts one."""
+    llm = engine(pair, "none")
+    e = llm.engine
+
+    class CompilesWhenAsked(Future):
+        def __init__(self, ready) -> None:
+            super().__init__()
+            self.ready = ready
+
+        def done(self) -> bool:
+            was = super().done()
+            if not was:
+                self.set_result(self.ready)
+            return was
+
+    real = e.grammars.compile
+    monkeypatch.setattr(e.grammars, "compile", lambda s: CompilesWhenAsked(real(s).result()))
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    e.add_request("a", SamplingParams(max_tokens=4, structured_outputs=spec), request_id="g")
+    finished = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            finished[out.request_id] = out
+    assert finished["g"].outputs[0].finish_reason == "stop"
+    assert finished["g"].outputs[0].text in ("yes", "no")
+
+
 def test_each_distinct_grammar_is_compiled_once(pair):
     pool = engine(pair, "none").engine.grammars
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json=json.dumps(SCHEMA)),

@@ -310,7 +310,7 @@ class LLMEngine:
         failed = self._drop_failed_grammars()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            pending = [r.grammar for r in self.scheduler.waiting_for_grammars() if r.grammar]
+            pending = self.scheduler.compiling_grammars()
             if pending:  # nothing runs until a grammar is compiled
                 wait_futures(pending, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             elif self.scheduler.has_unfinished() and not failed:
@@ -346,11 +346,7 @@ class LLMEngine:
 
     def _drop_failed_grammars(self) -> list[RequestOutput]:
         """Finish (as aborted) the waiting requests whose grammar failed to compile."""
-        failed = [
-            r
-            for r in self.scheduler.waiting_for_grammars()
-            if r.grammar is not None and r.grammar.done()
-        ]
+        failed = self.scheduler.failed_grammars()
         if not failed:
             return []
         for r in failed:

@@ -16,7 +16,9 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
@@ -119,12 +121,17 @@ class Scheduler:
             aborted.append(req)
         return aborted
 
-    def waiting_for_grammars(self) -> list[Request]:
-        """The waiting requests whose grammar is still compiling or failed to compile."""
+    def compiling_grammars(self) -> list[Future[Any]]:
+        """The grammars of waiting requests still being compiled."""
+        return [r.grammar for r in self.waiting if r.grammar is not None and r.grammar_pending]
+
+    def failed_grammars(self) -> list[Request]:
+        """The waiting requests whose grammar failed to compile (a grammar still compiling is
+        neither failed nor ready, so it is asked once and never twice)."""
         return [
             r
             for r in self.waiting
-            if r.grammar is not None and (r.grammar_pending or r.grammar.exception() is not None)
+            if r.grammar is not None and r.grammar.done() and r.grammar.exception() is not None
         ]
 
     def has_unfinished(self) -> bool:
