@@ -32,6 +32,7 @@ from specbatch.model.layers.rotary import compute_inv_freq
 from specbatch.model.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from specbatch.model.llama import architecture_of, head_dim_of, sliding_window_of
 from specbatch.model.llama import check_architecture as check_llama_architecture
+from specbatch.model.phi3 import PHI3_ARCHITECTURES, check_phi3_config, phi3_architecture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -126,6 +127,9 @@ def check_architecture(hf_config: Any) -> str:
     if gemma is not None:
         check_gemma_activation(hf_config)
         return gemma
+    phi3 = phi3_architecture(hf_config)
+    if phi3 is not None:
+        return phi3
     arch = architecture_of(hf_config)
     if arch in LLAMA_ARCHITECTURES:
         return check_llama_architecture(hf_config)
@@ -134,7 +138,7 @@ def check_architecture(hf_config: Any) -> str:
         hint = " (a multimodal model: only text models run; load its text-only causal LM)"
     raise InvalidInputError(
         f"architecture '{arch}' is not supported{hint}; supported: "
-        + ", ".join((*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES))
+        + ", ".join((*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES, *PHI3_ARCHITECTURES))
     )
 
 
@@ -143,6 +147,9 @@ def check_config(hf_config: Any) -> None:
     check_architecture(hf_config)
     if gemma_architecture(hf_config) is not None:
         check_gemma_config(hf_config)
+        return
+    if phi3_architecture(hf_config) is not None:
+        check_phi3_config(hf_config)
         return
     compute_inv_freq(hf_config, head_dim_of(hf_config))  # raises for unsupported rope types
 

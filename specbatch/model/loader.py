@@ -23,10 +23,21 @@ from specbatch.model.gguf_tensors import named_tensors
 from specbatch.model.layers.attention import AttentionBackend
 from specbatch.model.layers.weights import Loaded, get_weight_loader
 from specbatch.model.llama import LlamaForCausalLM
+from specbatch.model.phi3 import Phi3ForCausalLM, phi3_architecture
 
 logger = logging.getLogger(__name__)
 
 CausalLM = LlamaForCausalLM | GemmaForCausalLM
+
+
+def model_class(hf_config: Any) -> type[LlamaForCausalLM] | type[GemmaForCausalLM]:
+    """The class that runs a (checked) config's architecture."""
+    if gemma_architecture(hf_config):
+        return GemmaForCausalLM
+    if phi3_architecture(hf_config):
+        return Phi3ForCausalLM
+    return LlamaForCausalLM
+
 
 # Checkpoint tensors that are not weights (old checkpoints saved the rotary buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".inv_freq")
@@ -148,8 +159,7 @@ def load_model(
             weights = safetensors_weights([Path(f) for f in checkpoint.files])
         else:  # a GGUF file: its tensors under Hugging Face names, dequantized when read
             weights = named_tensors(open_gguf(Path(checkpoint.path)), hf_config)
-        cls = GemmaForCausalLM if gemma_architecture(hf_config) else LlamaForCausalLM
-        model = cls(hf_config, dtype, device, tp, attention_backend)
+        model = model_class(hf_config)(hf_config, dtype, device, tp, attention_backend)
         load_named_weights(model, weights)
     except InvalidInputError as e:
         raise at(checkpoint.field, e) from None

@@ -1,0 +1,188 @@
+"""What the tests of a model family share: tiny random checkpoints built with transformers,
+engines over them, transformers' logits (whole sequences, or one token at a time through its
+cache), every drafter's speculative config, the chi-square law of whole outputs, and a local
+Ray for tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specbatch import LLM, SamplingParams
+from tests.test_model import SCHEDULE, random_tokens, run_schedule
+
+VOCAB, BS, MAX_NEW = 128, 4, 20
+TREE = {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 5}
+DRAFTERS: dict[str, Callable[[Path], dict[str, Any] | None]] = {
+    "plain": lambda draft: None,
+    "ngram": lambda draft: {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1},
+    "draft": lambda draft: {"model": str(draft), "num_speculative_tokens": 3},
+    "draft-tree": lambda draft: {"model": str(draft), **TREE},
+    "self_sparse": lambda draft: {"method": "self_sparse", "num_speculative_tokens": 3,
+                                  "sinks": 4, "window": 12},
+}  # fmt: skip
+
+
+def save_random(config: Any, out: Path, seed: int, qk_scale: float = 2.0) -> Path:
+    """A transformers model of ``config`` with weights scaled so that its outputs are neither
+    uniform nor one-hot (fan-in scaling, norms around 1, queries and keys ``qk_scale`` times
+    larger), saved to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.copy_(0.25 * torch.randn_like(p))
+            elif "lm_head" in name:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+            elif any(part in name for part in ("q_proj", "k_proj", "qkv_proj")):
+                p.copy_(torch.randn_like(p) * qk_scale / math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    model.save_pretrained(out)
+    return out
+
+
+def prompts(n: int = 4, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(k)] for k in (5, 13, 22, 31)[:n]]
+
+
+def engine(path: Path, spec: dict[str, Any] | None = None, **kw: Any) -> LLM:
+    kw = {"dtype": "float32", "num_kv_blocks": 256, "block_size": BS, "max_model_len": 128,
+          "seed": 0, **kw}  # fmt: skip
+    return LLM(str(path), speculative_config=spec, **kw)
+
+
+def _hf(path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager"
+    ).eval()
+
+
+@torch.inference_mode()
+def hf_logits(path: Path, tokens: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+    """transformers' logits of each whole sequence in one forward."""
+    hf = _hf(path, dtype)
+    return [hf(t[None]).logits[0].float() for t in tokens]
+
+
+@torch.inference_mode()
+def hf_stepwise_logits(path: Path, tokens: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+    """transformers' logits of each sequence fed one token at a time through its own cache
+    (as its ``generate`` decodes)."""
+    from transformers import DynamicCache
+
+    hf = _hf(path, dtype)
+    out = []
+    for t in tokens:
+        cache, rows = DynamicCache(config=hf.config), []
+        for i in range(len(t)):
+            rows.append(hf(t[None, i : i + 1], cache=cache, use_cache=True).logits[0, 0])
+        out.append(torch.stack(rows).float())
+    return out
+
+
+def schedule_logits(
+    model: Any, vocab: int = VOCAB
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random sequences fed through the paged cache by ``tests/test_model.py``'s schedule
+    (ragged prefills, chunks, decodes, rolled-back speculation), and their logits."""
+    lengths = [sum(step[b] for step in SCHEDULE) for b in range(len(SCHEDULE[0]))]
+    tokens = random_tokens(lengths, vocab)
+    return tokens, run_schedule(model, tokens, SCHEDULE)
+
+
+def assert_logits_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    """Logits within 1e-4 of the reference and logprobs too; the reference neither uniform
+    nor one-hot."""
+    for b, (o, r) in enumerate(zip(ours, ref, strict=True)):
+        assert o.shape == r.shape
+        torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4, msg=lambda m, b=b: f"{b}: {m}")
+        diff = (o.log_softmax(-1) - r.log_softmax(-1)).abs().max()
+        assert diff < 1e-4, f"seq {b}: logprobs differ by {diff}"
+    top = torch.cat(ref).softmax(-1).max(-1).values.mean()
+    assert 0.05 < top < 0.95, top
+
+
+def worst_logprob_gap(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    return max(
+        float((o.log_softmax(-1) - r.log_softmax(-1)).abs().max()) for o, r in zip(ours, ref)
+    )
+
+
+def assert_logprobs_match(llm: LLM, path: Path, batch: list[list[int]], stepwise: bool) -> None:
+    """The engine's top-5 logprobs of its greedy outputs within 1e-4 of transformers'."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    seqs = [torch.tensor(p + list(o.outputs[0].token_ids)) for p, o in zip(batch, outs)]
+    ref = (hf_stepwise_logits if stepwise else hf_logits)(path, seqs)
+    for p, o, r in zip(batch, outs, ref, strict=True):
+        lps = r.log_softmax(-1)
+        c = o.outputs[0]
+        for i, (tok, entries) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            row = lps[len(p) - 1 + i]
+            assert tok == int(row.argmax())
+            for t, lp in entries.items():
+                assert abs(lp.logprob - float(row[t])) < 1e-4, (i, t)
+
+
+def with_config(src: Path, out: Path, **changes: Any) -> Path:
+    """A copy of the checkpoint at ``src`` with its config.json's fields changed."""
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def chi_square_law(target: Path, draft: Path, gamma: int = 3) -> None:
+    """The first three tokens of 14,000 samples at temperature 1, a draft model proposing
+    ``gamma``, follow the target's exact joint (``tests/test_exactness.py``'s test)."""
+    from tests.helpers import exact_joint
+    from tests.test_exactness import PROMPT, N, assert_matches
+
+    llm = LLM(str(target), draft_model=str(draft), num_speculative_tokens=gamma,
+              max_num_seqs=256, num_kv_blocks=512, block_size=4, seed=gamma,
+              max_model_len=64, dtype="float32")  # fmt: skip
+    params = [SamplingParams(temperature=1.0, max_tokens=gamma + 2, ignore_eos=True)] * N
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params, use_tqdm=False)
+    samples = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+    spec = llm.engine.metrics.spec
+    assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98
+    assert_matches(samples, exact_joint(target, PROMPT, 3))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray for a module's tensor-parallel test (as tests/test_ray_tp.py starts it)."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 object_store_memory=256 << 20, logging_level="WARNING",
+                 _node_ip_address="127.0.0.1")  # fmt: skip
+    yield
+    if started:
+        ray.shutdown()
