@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 
 from specbatch.kernels.build import KernelBuildError, load_module
+from specbatch.kernels.quantized import QuantizedLinear, QuantizedRows
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,33 @@ class CpuKernels:
                 w.panels.data_ptr(), b, y.data_ptr(), w.out_features,
             )  # fmt: skip
         return y
+
+    def linear_quant(
+        self,
+        x: torch.Tensor,
+        w: QuantizedLinear,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``linear`` on a weight kept as GGUF blocks (``quantized.py``)."""
+        x = _rows(x)
+        if x.shape[1] != w.in_features:
+            raise ValueError(f"linear: input has {x.shape[1]} features, the weight {w.in_features}")
+        y = torch.empty((x.shape[0], w.out_features), dtype=out_dtype or x.dtype)
+        self._m.linear_quant(
+            x.shape[0], w.out_features, w.in_features, x.data_ptr(), x.stride(0), _is_bf16(x),
+            w.desc.data_ptr(), _ptr(bias), y.data_ptr(), w.out_features,
+            int(y.dtype != x.dtype),
+        )  # fmt: skip
+        return y
+
+    def quant_unpack(self, rows: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
+        """The weights of ``rows`` as the kernel unpacks them (where it does not multiply the
+        quants as integers), ``[rows, K]`` in ``dtype``."""
+        out = torch.empty((rows.rows, rows.in_features), dtype=dtype)
+        desc = torch.tensor(rows.fields(0), dtype=torch.int64)
+        self._m.quant_unpack(desc.data_ptr(), rows.in_features, out.data_ptr(), _is_bf16(out))
+        return out
 
     # ---- elementwise -------------------------------------------------------------------------
     def rms_norm(
@@ -291,6 +319,10 @@ class CpuKernels:
             out.data_ptr(), tree, starts, _is_bf16(q),
         )  # fmt: skip
         return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""A linear layer's weight kept as GGUF blocks, as ``csrc/gemm_quant.c`` multiplies it.
+
+The weight ``[N, K]`` is one or more segments of whole output rows, each rows of ggml blocks of
+one type (a fused projection such as ``[q; k; v]`` may hold parts of different types). The
+kernel's descriptor lists them: the number of segments, then per segment its ggml type, rows,
+first output feature and the addresses of its quants, scales and minimums (0: none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# ggml type number -> (name, values per block, bytes per block): the types the kernel runs
+KEPT_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+
+
+PANEL = 16  # output features per panel (Q4_0, Q4_1, Q8_0)
+_PANELED = {2: (2, 0), 3: (4, 2), 8: (2, 0)}  # kind -> (offset of the quants, of the minimum)
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Rows of a matrix as ggml blocks of one type, as the kernel reads them: the K-quants'
+    blocks as the file stores them (``q`` uint8 ``[rows, bytes]``); Q4_0, Q4_1 and Q8_0 in
+    panels of 16 rows (``csrc/gemm_qpanel.c``): ``q`` uint8 ``[panels, blocks, bytes]``, the
+    scales ``d`` and Q4_1's minimums ``m`` float16 ``[panels, blocks, 16]``."""
+
+    kind: int
+    q: torch.Tensor
+    d: torch.Tensor | None
+    m: torch.Tensor | None
+    in_features: int
+    rows: int
+
+    @staticmethod
+    def from_blocks(kind: int, blocks: torch.Tensor, in_features: int) -> QuantizedRows:
+        """From rows of blocks as the file stores them, uint8 ``[rows, K / block * bytes]``."""
+        name, block, block_bytes = KEPT_TYPES[kind]
+        rows = blocks.shape[0]
+        if in_features % block or blocks.shape[1] != in_features // block * block_bytes:
+            raise ValueError(
+                f"{name} rows of {in_features} values must be whole blocks of {block} "
+                f"({block_bytes} bytes), got {blocks.shape[1]} bytes"
+            )
+        if kind not in _PANELED:
+            return QuantizedRows(kind, blocks.contiguous(), None, None, in_features, rows)
+        start, at_min = _PANELED[kind]
+        nb, pad = in_features // block, -rows % PANEL
+        b = torch.nn.functional.pad(blocks.reshape(rows, nb, block_bytes), (0, 0, 0, 0, 0, pad))
+        npanel = (rows + pad) // PANEL
+
+        def halves(at: int) -> torch.Tensor:  # [panels, blocks, 16]
+            h = b[:, :, at : at + 2].contiguous().view(torch.float16).reshape(npanel, PANEL, nb)
+            return h.permute(0, 2, 1).contiguous()
+
+        quants = b[:, :, start:]
+        if kind == 8:  # pair i of a block: 32 bytes, output o's values 2i, 2i + 1 at 2o, 2o + 1
+            v = quants.reshape(npanel, PANEL, nb, 16, 2).permute(0, 2, 3, 1, 4)
+            q = v.reshape(npanel, nb, 512)
+        else:  # value j of a block: low nibble of byte j (j < 16), else high nibble of j - 16
+            nib = torch.cat([quants & 15, quants >> 4], dim=2)  # [rows, nb, 32] values
+            # chunk c: pair 2c (values 4c, 4c + 1) low, pair 2c + 1 (4c + 2, 4c + 3) high
+            v = nib.reshape(npanel, PANEL, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+            q = (v[..., 0] | (v[..., 1] << 4)).reshape(npanel, nb, 256)
+        return QuantizedRows(kind, q.contiguous(), halves(0), halves(at_min) if at_min else None,
+                             in_features, rows)  # fmt: skip
+
+    @property
+    def type_name(self) -> str:
+        return KEPT_TYPES[self.kind][0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def fields(self, first: int) -> list[int]:
+        """The kernel's descriptor of these rows, output features from ``first`` on."""
+        ptrs = [0 if t is None else t.data_ptr() for t in (self.q, self.d, self.m)]
+        return [self.kind, self.rows, first, *ptrs]
+
+
+@dataclass(eq=False)
+class QuantizedLinear:
+    """Segments of output rows (in order), with the kernel's descriptor of them."""
+
+    segments: list[QuantizedRows]
+    in_features: int
+    out_features: int = 0
+    desc: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        fields = [len(self.segments)]
+        n = 0
+        for seg in self.segments:
+            if seg.in_features != self.in_features:
+                raise ValueError("segments of one weight must have the same input features")
+            fields += seg.fields(n)
+            n += seg.rows
+        self.out_features = n
+        self.desc = torch.tensor(fields, dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def types(self) -> str:
+        return "+".join(dict.fromkeys(s.type_name for s in self.segments))
