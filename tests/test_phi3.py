@@ -295,3 +295,114 @@ def test_planted_bugs_move_the_logits_off_transformers(models, tmp_path, planted
     model = load_model(path, torch.float32, "cpu")
     tokens, ours = schedule_logits(model)
     assert worst_logprob_gap(ours, hf_stepwise_logits(path, tokens)) > 1e-2
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+
+def write_phi3_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+    """The file llama.cpp's converter writes for a Phi-3 checkpoint: the fused projections
+    under the ``gguf`` package's names (``attn_qkv``, ``ffn_up`` holding gate and up), the
+    rotary's width, LongRoPE's factors as two tensors with its original length and attention
+    factor, window 0 for none, no output tensor when the head is tied."""
+    import json
+    import math
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    rope = config["rope_parameters"]
+    layers, hidden, heads = (config[k] for k in ("num_hidden_layers", "hidden_size",
+                                                 "num_attention_heads"))  # fmt: skip
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, layers)
+    writer = gguf.GGUFWriter(str(out), "phi3")
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_pad_token_id(config.get("pad_token_id") or 0)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope["rope_type"] == "longrope":
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(rope[f"{kind}_factor"], dtype=np.float32))  # fmt: skip
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        kind = gguf.GGMLQuantizationType[matrix_type if tensor.dim() == 2 else "F32"]
+        data = tensor.float().numpy()
+        if kind == gguf.GGMLQuantizationType.BF16:
+            data = tensor.bfloat16().view(torch.int16).numpy()
+        elif kind != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(data, kind)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def assert_same_model(file: Path, hf_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+    """The same weights bit for bit, the same rotary width, factors and window."""
+    want = load_model(hf_dir, dtype, "cpu", use_cpu_kernels=False)
+    got = load_model(file, dtype, "cpu", use_cpu_kernels=False)
+    for key in ("sliding_window", "num_hidden_layers", "tie_word_embeddings"):
+        assert getattr(got.hf_config, key) == getattr(want.hf_config, key), key
+    ours, theirs = got.model.rotary_emb, want.model.rotary_emb
+    assert ours.rotary_dim == theirs.rotary_dim
+    assert torch.equal(ours.cos, theirs.cos) and torch.equal(ours.sin, theirs.sin)
+    params = dict(got.named_parameters())
+    assert params.keys() == dict(want.named_parameters()).keys()
+    for name, p in want.named_parameters():
+        assert torch.equal(params[name], p), name
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4"])
+def test_a_gguf_file_holds_the_checkpoint_and_gives_its_output(
+    models, hf_outputs, tmp_path, arch
+) -> None:
+    """transformers' GGUF loading reads neither the rotary's width nor LongRoPE's factors (it
+    would run another model), so the reference is the checkpoint the file was written from."""
+    file = write_phi3_gguf(models[arch], tmp_path / "m.gguf")
+    assert_same_model(file, models[arch])
+    with engine(file) as llm:
+        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch]
+
+
+def test_a_bfloat16_gguf_file_runs_in_bfloat16(models, tmp_path) -> None:
+    from specbatch.model.checkpoint import read_checkpoint
+
+    file = write_phi3_gguf(models["phi4"], tmp_path / "b.gguf", "BF16")
+    assert read_checkpoint(file).dtype == torch.bfloat16
+    assert_same_model(file, models["phi4"], torch.bfloat16)
+    with engine(file, dtype="bfloat16") as llm:
+        assert [len(o) for o in greedy_token_ids(llm, prompts(2), 8)] == [8, 8]
+
+
+def test_transformers_reads_a_full_rotary_gguf_file_as_specbatch_does(models, tmp_path) -> None:
+    """Where transformers' GGUF loading reads all a file holds (whole-head rotary, no
+    LongRoPE), its model of the file gives specbatch's logits."""
+    from transformers import AutoModelForCausalLM
+
+    plain = save_random(phi3_config(longrope=False), tmp_path / "plain", seed=4)
+    (tmp_path / "g").mkdir()
+    file = write_phi3_gguf(plain, tmp_path / "g" / "m.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file="m.gguf",
+                                              dtype=torch.float32).eval()  # fmt: skip
+    model = load_model(file, torch.float32, "cpu")
+    tokens, ours = schedule_logits(model)
+    with torch.inference_mode():
+        ref = [hf(t[None]).logits[0].float() for t in tokens]
+    assert_logits_close(ours, ref)

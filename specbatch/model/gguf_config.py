@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 # What llama.cpp's loader assumes where a Gemma file says nothing (with the rest in
 # _gemma_fields): every n-th layer global, and the 27B models (told by their layer counts)
@@ -98,7 +99,8 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
                 f"{arch}.attention.head_count={heads} (and no {arch}.attention.key_length)"
             )
         head_dim = hidden // heads
-    for name in ("attention.value_length", "rope.dimension_count"):
+    # Phi-3's rotary may turn part of each head (read with its other settings below)
+    for name in ("attention.value_length", *(("rope.dimension_count",) if arch != "phi3" else ())):
         v = m.int(name, required=False)
         if v is not None and v != head_dim:
             raise InvalidInputError(
@@ -132,6 +134,10 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
         kwargs.update(_gemma_fields(m, hidden, heads, head_dim))
     else:
         kwargs["hidden_act"] = "silu"
+    if arch == "phi3":
+        from specbatch.model.phi3 import phi3_gguf_fields
+
+        kwargs.update(phi3_gguf_fields(reader, file, head_dim, kwargs.pop("rope_theta")))
     scaling = _rope_scaling(m, names)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling

@@ -49,14 +49,17 @@ _GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 files keep its fused projections: attn_qkv is qkv_proj, ffn_up holds gate and up
+_PHI3_LAYER = {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_FAMILY_LAYER = {"gemma2": _GEMMA_LAYER, "gemma3_text": _GEMMA_LAYER, "phi3": _PHI3_LAYER}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+def hf_name(gguf_name: str, model_type: str | None = None) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for a tensor the model has no place for."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
-    layer = _GEMMA_LAYER if gemma else _LAYER
+    layer = _FAMILY_LAYER.get(model_type or "", _LAYER)
     m = _LAYER_NAME.fullmatch(gguf_name)
     if m is None or m.group(2) not in layer:
         return None
@@ -144,7 +147,10 @@ def named_tensors(reader: GGUFFile, hf_config: Any) -> Iterator[tuple[str, GGUFT
     gemma = hf_config.model_type in ("gemma2", "gemma3_text")
     heads = {"attn_q": int(hf_config.num_attention_heads), "attn_k": hf_config.num_key_value_heads}
     for t in reader.tensors:
+        if t.name.startswith("rope_factors_"):  # LongRoPE's factors: read into the config
+            continue
         part = t.name.split(".")[2] if t.name.startswith("blk.") else None
         permute = heads.get(part) if llama and part is not None else None
         offset = -1.0 if gemma and t.name.endswith("norm.weight") else 0.0
-        yield (hf_name(t.name, gemma) or t.name), GGUFTensor(reader, t, permute, offset)
+        name = hf_name(t.name, hf_config.model_type) or t.name
+        yield name, GGUFTensor(reader, t, permute, offset)

@@ -128,6 +128,50 @@ def phi3_rope_tables(hf_config: Any) -> tuple[torch.Tensor, torch.Tensor | None,
     return inv_freq.float(), None, 0, float(scaling)
 
 
+def phi3_gguf_fields(reader: Any, file: Any, head_dim: int, rope_theta: float) -> dict[str, Any]:
+    """A llama.cpp "phi3" file's rotary and window as Phi3Config fields: the rotary's width
+    (``phi3.rope.dimension_count``), LongRoPE's factors (the ``rope_factors_long`` and
+    ``rope_factors_short`` tensors), original length and attention factor, the window (0:
+    none, as the converter writes for Phi-4)."""
+    from specbatch.model.gguf_tensors import GGUFTensor
+
+    def field(key: str, kinds: tuple[type, ...]) -> Any:
+        v = reader.fields.get(f"phi3.{key}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kinds) or v < 0):
+            raise InvalidInputError(
+                f"'{file}': metadata 'phi3.{key}' must be a non-negative number; got {v!r}"
+            )
+        return v
+
+    dims = field("rope.dimension_count", (int,)) or head_dim
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta,
+                            "partial_rotary_factor": dims / head_dim}  # fmt: skip
+    window = field("attention.sliding_window", (int,)) or None
+    fields: dict[str, Any] = {"partial_rotary_factor": dims / head_dim, "sliding_window": window}
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        for kind in ("long", "short"):
+            t = factors.get(f"rope_factors_{kind}.weight")
+            if t is None:
+                raise InvalidInputError(
+                    f"'{file}': LongRoPE needs both rope_factors_long.weight and "
+                    f"rope_factors_short.weight; rope_factors_{kind}.weight is absent"
+                )
+            rope[f"{kind}_factor"] = GGUFTensor(reader, t, None)[:].flatten().tolist()
+        original = field("rope.scaling.original_context_length", (int,))
+        if not original:
+            raise InvalidInputError(
+                f"'{file}': LongRoPE needs metadata 'phi3.rope.scaling.original_context_length'"
+            )
+        rope.update(rope_type="longrope", original_max_position_embeddings=original)
+        fields["original_max_position_embeddings"] = original
+        attn_factor = field("rope.scaling.attn_factor", (int, float))
+        if attn_factor:
+            rope["attention_factor"] = float(attn_factor)
+    fields["rope_parameters"] = rope
+    return fields
+
+
 class Phi3Rotary(RotaryEmbedding):
     """Rotary embedding of each head's first ``rotary_dim`` dimensions (rotate-half within
     them; the rest pass through), its cos/sin read per position from a table that may switch
