@@ -34,21 +34,25 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class _Linear:
-    """A packed linear layer: its panels and its bias parameter."""
+    """A packed linear layer: its panels (or its weight kept as GGUF blocks, ``quant``) and its
+    bias parameter."""
 
     def __init__(self, layer: PackableLinear) -> None:
-        assert layer.packed is not None
-        self.panels = layer.packed.panels
+        weight = layer.packed if layer.packed is not None else layer.quant
+        assert weight is not None
+        self.panels = layer.packed.panels if layer.packed is not None else None
+        self.quant = layer.quant.desc if layer.quant is not None else None
+        self.dtype = layer.weight.dtype
         self.bias: torch.Tensor | None = getattr(layer, "bias", None)
-        self.n, self.k = layer.packed.out_features, layer.packed.in_features
+        self.n, self.k = weight.out_features, weight.in_features
 
     @staticmethod
     def of(layer: PackableLinear) -> _Linear | None:
-        return None if layer.packed is None else _Linear(layer)
+        return None if layer.packed is None and layer.quant is None else _Linear(layer)
 
     def fields(self) -> list[int]:
-        """The descriptor's two fields: panels, bias (0: none)."""
-        return [self.panels.data_ptr(), _ptr(self.bias) or 0]
+        """The descriptor's two fields: panels (0: kept quantized), bias (0: none)."""
+        return [_ptr(self.panels) or 0, _ptr(self.bias) or 0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,15 +80,18 @@ class _Layer:
 
     def descriptor(self, flat: _FlatLayers) -> _Descriptor:
         """csrc/layer.c's LAYER_* fields of this layer: sizes, then addresses."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
         tensors = (self.qkv.panels, self.qkv.bias, self.q_norm, self.k_norm, self.o.panels,
                    self.o.bias, self.post_norm, self.gate_up.panels, self.gate_up.bias,
-                   self.down.panels, self.down.bias, flat.rotary.cos, flat.rotary.sin)  # fmt: skip
+                   self.down.panels, self.down.bias, flat.rotary.cos, flat.rotary.sin,
+                   *(lin.quant for lin in linears))  # fmt: skip
         held = tuple(t.detach() for t in tensors if t is not None)
         fields = [
             self.qkv.k, self.o.n, flat.heads, flat.kv_heads, flat.head_dim, self.gate_up.n // 2,
             *self.qkv.fields(), _ptr(self.q_norm) or 0, _ptr(self.k_norm) or 0,
             *self.o.fields(), self.post_norm.data_ptr(), *self.gate_up.fields(),
             *self.down.fields(), flat.rotary.cos.data_ptr(), flat.rotary.sin.data_ptr(),
+            *(_ptr(lin.quant) or 0 for lin in linears),
         ]  # fmt: skip
         assert len(fields) == flat.layer_fields
         return _Descriptor(torch.tensor(fields, dtype=torch.int64), held)
@@ -118,7 +125,7 @@ class _FlatLayers:
 
     def __init__(self, kernels: CpuKernels, attn: Any, eps: float) -> None:
         self.m = kernels._m
-        self.dtype = attn.o_proj.packed.panels.dtype
+        self.dtype = attn.o_proj.weight.dtype
         self.bf16 = int(self.dtype == torch.bfloat16)
         self.eps = eps
         self.heads = attn.qkv_proj.num_heads_local

@@ -29,14 +29,21 @@ enum {
     LAYER_DOWN_BIAS,
     LAYER_COS, /* the rotary tables, float32 [position][D / 2] */
     LAYER_SIN,
+    LAYER_QKV_Q, /* a projection kept as GGUF blocks: sb_linear_quant's descriptor (its panels 0),
+                    or 0 */
+    LAYER_O_Q,
+    LAYER_GATE_UP_Q,
+    LAYER_DOWN_Q,
     LAYER_FIELDS
 };
 
 #define PTR(i) ((const void*)(intptr_t)desc[i])
 
-static void linear(int t, int n, int k, const void* x, const void* w, const void* bias, void* y,
-                   int bf16) {
-    if (bf16)
+static void linear(int t, int n, int k, const void* x, const void* w, const void* q,
+                   const void* bias, void* y, int bf16) {
+    if (q)
+        sb_linear_quant(t, n, k, x, k, bf16, (const int64_t*)q, bias, y, n, 0);
+    else if (bf16)
         sb_linear_bf16(t, n, k, (const uint16_t*)x, k, (const uint16_t*)w,
                        (const uint16_t*)bias, y, n, 0);
     else
@@ -72,7 +79,7 @@ int sb_layer_core(const int64_t* desc, int t, const void* x, void* residual, voi
     char *qkv = buf[0], *attn = buf[1], *proj = buf[2], *normed = buf[3], *gate_up = buf[4],
          *act = buf[5];
 
-    linear(t, nqkv, k_in, x, PTR(LAYER_QKV), PTR(LAYER_QKV_BIAS), qkv, bf16);
+    linear(t, nqkv, k_in, x, PTR(LAYER_QKV), PTR(LAYER_QKV_Q), PTR(LAYER_QKV_BIAS), qkv, bf16);
     char* k = qkv + (size_t)hq * d * esz;
     char* v = qkv + (size_t)(hq + hkv) * d * esz;
     if (desc[LAYER_Q_NORM] && desc[LAYER_K_NORM]) {
@@ -87,11 +94,12 @@ int sb_layer_core(const int64_t* desc, int t, const void* x, void* residual, voi
     sb_paged_attention(num_seqs, qsl, seq_lens, block_tables, bt_stride, qkv, nqkv, hq,
                        kv_heads_stride, d, k_cache, v_cache, block_size, scale, attn, tree,
                        tree_starts, bf16);
-    linear(t, h, hq * d, attn, PTR(LAYER_O), PTR(LAYER_O_BIAS), proj, bf16);
+    linear(t, h, hq * d, attn, PTR(LAYER_O), PTR(LAYER_O_Q), PTR(LAYER_O_BIAS), proj, bf16);
     sb_rms_norm(t, h, proj, h, residual, PTR(LAYER_POST_NORM), eps, normed, bf16);
-    linear(t, 2 * inter, h, normed, PTR(LAYER_GATE_UP), PTR(LAYER_GATE_UP_BIAS), gate_up, bf16);
+    linear(t, 2 * inter, h, normed, PTR(LAYER_GATE_UP), PTR(LAYER_GATE_UP_Q),
+           PTR(LAYER_GATE_UP_BIAS), gate_up, bf16);
     sb_silu_and_mul(t, inter, gate_up, act, bf16);
-    linear(t, h, inter, act, PTR(LAYER_DOWN), PTR(LAYER_DOWN_BIAS), y, bf16);
+    linear(t, h, inter, act, PTR(LAYER_DOWN), PTR(LAYER_DOWN_Q), PTR(LAYER_DOWN_BIAS), y, bf16);
     free(block);
     return 0;
 }

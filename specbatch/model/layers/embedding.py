@@ -13,6 +13,7 @@ from torch import nn
 
 from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.kernels.cpu import CpuKernels, PackedLinear
+from specbatch.kernels.quantized import QuantizedLinear, QuantizedRows
 from specbatch.model.layers.weights import Loaded, check_shape, copy_into, new_param, take
 
 
@@ -45,6 +46,16 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(loaded, (self.vocab_size, self.hidden_size))
         n = self.vocab_end - self.vocab_start
         copy_into(param.data.narrow(0, 0, n), take(loaded, 0, self.vocab_start, n))
+        if getattr(param, "lm_head", False):  # an LM head's: kept as GGUF blocks too, if it can
+            from specbatch.model.gguf_quantized import keeps_quantized, quantized_blocks
+
+            got = quantized_blocks(loaded) if keeps_quantized(param) else None
+            if got is not None:
+                kind, blocks = got
+                rows = blocks[self.vocab_start : self.vocab_end]
+                pad = self.rows_per_rank - n  # the padding rows multiply to 0
+                rows = F.pad(rows, (0, 0, 0, pad)) if pad else rows.contiguous()
+                param.gguf_blocks = (kind, rows, self.hidden_size)  # type: ignore[attr-defined]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -77,20 +88,32 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = tied_weight is not None
         if tied_weight is not None:
             self.weight = tied_weight
+        self.weight.lm_head = True  # type: ignore[attr-defined]  # (the loader keeps GGUF blocks)
         self.kernels: CpuKernels | None = None
         self.packed: PackedLinear | None = None
+        self.quant: QuantizedLinear | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        """Multiply through the kernels' packed copy; an untied weight is then released."""
-        if not kernels.supports_linear(self.weight.dtype) or self.weight.device.type != "cpu":
+        """Multiply through the kernels' packed copy, or the GGUF blocks kept as the weight
+        loaded; an untied weight is then released."""
+        kept = getattr(self.weight, "gguf_blocks", None)
+        if kept is not None:
+            del self.weight.gguf_blocks
+            kind, blocks, k = kept
+            self.kernels = kernels
+            self.quant = QuantizedLinear([QuantizedRows.from_blocks(kind, blocks, k)], k)
+        elif kernels.supports_linear(self.weight.dtype) and self.weight.device.type == "cpu":
+            self.kernels, self.packed = kernels, kernels.pack_linear(self.weight)
+        else:
             return
-        self.kernels, self.packed = kernels, kernels.pack_linear(self.weight)
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab_size]``, full vocabulary on every rank."""
-        if self.packed is not None and self.kernels is not None:
+        if self.quant is not None and self.kernels is not None:
+            logits = self.kernels.linear_quant(hidden, self.quant, out_dtype=torch.float32)
+        elif self.packed is not None and self.kernels is not None:
             logits = self.kernels.linear(hidden, self.packed, out_dtype=torch.float32)
         else:
             logits = F.linear(hidden, self.weight)
