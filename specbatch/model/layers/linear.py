@@ -17,7 +17,7 @@ the kept parts are dequantized into the weight then.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,30 +54,23 @@ class PackableLinear(nn.Module):
     kernels: CpuKernels | None = None
     packed: PackedLinear | None = None
     quant: QuantizedLinear | None = None
-    # parts kept as GGUF blocks, by shard: (ggml type, blocks [rows, bytes], in features), and
-    # how to load each dequantized instead
+    # parts kept as GGUF blocks too, by shard: (ggml type, blocks [rows, bytes], in features)
     _kept: dict[int, tuple[int, torch.Tensor, int]] | None = None
-    _deferred: dict[int, Callable[[], None]] | None = None
     num_shards = 1
 
     def keep_blocks(
-        self,
-        shard: int,
-        loaded: Loaded,
-        rows: tuple[int, int] | None,
-        cols: tuple[int, int] | None,
-        load_values: Callable[[], None],
-    ) -> bool:
+        self, shard: int, loaded: Loaded, rows: tuple[int, int] | None, cols: tuple[int, int] | None
+    ) -> None:
         """Keep this rank's part of a GGUF matrix (``rows``, ``cols``: start and length, None
-        for all) as its blocks, if it is of a kept type and the kernels will run this layer;
-        ``load_values`` loads it dequantized instead. Returns whether it was kept."""
+        for all) as its blocks as well, if it is of a kept type and the kernels can run it (the
+        weight holds its values until ``use_cpu_kernels``)."""
         from specbatch.model.gguf_quantized import keeps_quantized, quantized_blocks
 
         if not keeps_quantized(self.weight):
-            return False
+            return
         got = quantized_blocks(loaded)
         if got is None:
-            return False
+            return
         kind, blocks = got
         _, block, block_bytes = KEPT_TYPES[kind]
         k = blocks.shape[1] // block_bytes * block
@@ -85,46 +78,34 @@ class PackableLinear(nn.Module):
             blocks = blocks[rows[0] : rows[0] + rows[1]]
         if cols is not None:
             if cols[0] % block or cols[1] % block:
-                return False  # this rank's columns split blocks: dequantized
+                return  # this rank's columns split blocks: dequantized
             b0, nb = cols[0] // block, cols[1] // block
             blocks, k = blocks[:, b0 * block_bytes : (b0 + nb) * block_bytes], cols[1]
         if self._kept is None:
-            self._kept, self._deferred = {}, {}
-        assert self._deferred is not None
+            self._kept = {}
         self._kept[shard] = (kind, blocks.contiguous(), k)
-        self._deferred[shard] = load_values
-        return True
 
     def _use_kept(self, kernels: CpuKernels) -> bool:
-        """Multiply through the kept blocks where every part was kept (True), else load the kept
-        parts dequantized (False)."""
-        if not self._kept:
-            return False
-        if len(self._kept) < self.num_shards:
-            self._load_deferred()
+        """Multiply through the kept blocks where every part was kept (True)."""
+        kept, self._kept = self._kept, None
+        if not kept or len(kept) < self.num_shards:
             return False
         segments: list[QuantizedRows] = []
         run: list[tuple[int, torch.Tensor, int]] = []
-        for shard in sorted(self._kept):  # adjacent parts of one type as one segment
-            part = self._kept[shard]
-            if run and part[0] != run[0][0]:
+        for shard in sorted(kept):  # adjacent parts of one type as one segment
+            if run and kept[shard][0] != run[0][0]:
                 segments.append(_segment(run))
                 run = []
-            run.append(part)
+            run.append(kept[shard])
         segments.append(_segment(run))
         self.quant = QuantizedLinear(segments, segments[0].in_features)
         self.kernels = kernels
-        self._kept = self._deferred = None
         self.weight.data = self.weight.data.new_empty(0)
         return True
 
-    def _load_deferred(self) -> None:
-        deferred, self._kept, self._deferred = self._deferred or {}, None, None
-        for load in deferred.values():
-            load()
-
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        """Repack the loaded weight for the kernels and release the original."""
+        """Repack the loaded weight for the kernels (or multiply through its kept GGUF blocks)
+        and release the original."""
         if self._use_kept(kernels):
             return
         if not kernels.supports_linear(self.weight.dtype) or self.weight.device.type != "cpu":
@@ -138,8 +119,6 @@ class PackableLinear(nn.Module):
                 return self.kernels.linear_quant(x, self.quant, bias)
             if self.packed is not None:
                 return self.kernels.linear(x, self.packed, bias)
-        if self._deferred:  # kept, but the kernels were not switched on
-            self._load_deferred()
         return F.linear(x, self.weight, bias)
 
 
@@ -205,13 +184,9 @@ class ColumnParallelLinear(PackableLinear):
         full_rows = self.output_sizes[shard]
         expected = (full_rows,) if param.dim() == 1 else (full_rows, self.input_size)
         check_shape(loaded, expected)
-
-        def load_values() -> None:
-            copy_into(param.data.narrow(0, dst_start, n), take(loaded, 0, src_start, n))
-
-        if param.dim() == 2 and self.keep_blocks(shard, loaded, (src_start, n), None, load_values):
-            return
-        load_values()
+        copy_into(param.data.narrow(0, dst_start, n), take(loaded, 0, src_start, n))
+        if param.dim() == 2:
+            self.keep_blocks(shard, loaded, (src_start, n), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -306,12 +281,8 @@ class RowParallelLinear(PackableLinear):
             return
         check_shape(loaded, (self.output_size, self.input_size))
         n = self.input_size_local
-
-        def load_values() -> None:
-            copy_into(param.data, take(loaded, 1, self.tp.rank * n, n))
-
-        if not self.keep_blocks(0, loaded, None, (self.tp.rank * n, n), load_values):
-            load_values()
+        copy_into(param.data, take(loaded, 1, self.tp.rank * n, n))
+        self.keep_blocks(0, loaded, None, (self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
