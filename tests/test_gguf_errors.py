@@ -35,7 +35,7 @@ def refused(path: Path | str, **kwargs: Any) -> str:
         (dict(architecture="gpt2"), "general.architecture 'gpt2' is not supported"),
         (dict(metadata={"llama.embedding_length": None}), "metadata 'llama.embedding_length'"),
         (dict(metadata={"llama.block_count": 0}), "'llama.block_count' must be an integer >= 1"),
-        (dict(metadata={"llama.expert_count": 8}), "llama.expert_count=8"),
+        (dict(metadata={"llama.expert_count": 8}), "metadata 'llama.expert_used_count'"),
         (dict(metadata={"llama.attention.head_count_kv": 3}), "not a multiple of"),
         (dict(metadata={"llama.rope.dimension_count": 8}), "llama.rope.dimension_count=8"),
         (dict(metadata={"llama.rope.scaling.type": "longrope"}), "'llama.rope.scaling.type'"),

@@ -32,6 +32,12 @@ from specbatch.model.layers.rotary import compute_inv_freq
 from specbatch.model.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from specbatch.model.llama import architecture_of, head_dim_of, sliding_window_of
 from specbatch.model.llama import check_architecture as check_llama_architecture
+from specbatch.model.moe import (
+    MOE_ARCHITECTURES,
+    moe_architecture,
+    moe_settings,
+    moe_sliding_window,
+)
 from specbatch.model.phi3 import PHI3_ARCHITECTURES, check_phi3_config, phi3_architecture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -64,7 +70,12 @@ class ModelConfig:
     def context_length(self) -> int:
         n = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
         # Gemma's sliding layers are windowed; a Llama-family window caps the context
-        window = None if gemma_architecture(self.hf_config) else sliding_window_of(self.hf_config)
+        if gemma_architecture(self.hf_config):
+            window = None
+        elif moe_architecture(self.hf_config):
+            window = moe_sliding_window(self.hf_config)
+        else:
+            window = sliding_window_of(self.hf_config)
         return (min(n, window) if n else window) if window else n
 
 
@@ -127,9 +138,9 @@ def check_architecture(hf_config: Any) -> str:
     if gemma is not None:
         check_gemma_activation(hf_config)
         return gemma
-    phi3 = phi3_architecture(hf_config)
-    if phi3 is not None:
-        return phi3
+    family = phi3_architecture(hf_config) or moe_architecture(hf_config)
+    if family is not None:  # their activations are checked with the rest of their configs
+        return family
     arch = architecture_of(hf_config)
     if arch in LLAMA_ARCHITECTURES:
         return check_llama_architecture(hf_config)
@@ -138,7 +149,9 @@ def check_architecture(hf_config: Any) -> str:
         hint = " (a multimodal model: only text models run; load its text-only causal LM)"
     raise InvalidInputError(
         f"architecture '{arch}' is not supported{hint}; supported: "
-        + ", ".join((*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES, *PHI3_ARCHITECTURES))
+        + ", ".join(
+            (*LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES, *PHI3_ARCHITECTURES, *MOE_ARCHITECTURES)
+        )
     )
 
 
@@ -151,6 +164,8 @@ def check_config(hf_config: Any) -> None:
     if phi3_architecture(hf_config) is not None:
         check_phi3_config(hf_config)
         return
+    if moe_architecture(hf_config) is not None:
+        moe_settings(hf_config)
     compute_inv_freq(hf_config, head_dim_of(hf_config))  # raises for unsupported rope types
 
 
@@ -161,6 +176,10 @@ def at(field: str, e: InvalidInputError) -> InvalidInputError:
     return InvalidInputError(f"{field}: {e}", field)
 
 
+# a mixture of experts' other intermediate sizes, split across ranks as the dense one
+_EXPERT_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size")
+
+
 def check_tensor_parallel(hf_config: Any, tp: int, field: str = "model") -> None:
     """Every dimension tensor parallelism splits evenly must divide by ``tp`` (the vocabulary's
     last shard is padded)."""
@@ -169,6 +188,11 @@ def check_tensor_parallel(hf_config: Any, tp: int, field: str = "model") -> None
         ("num_attention_heads", heads),
         ("num_key_value_heads", int(getattr(hf_config, "num_key_value_heads", None) or heads)),
         ("intermediate_size", int(hf_config.intermediate_size)),
+        *(
+            (name, int(getattr(hf_config, name)))
+            for name in _EXPERT_SIZES
+            if getattr(hf_config, name, None)
+        ),
     ):
         if value % tp:
             raise InvalidInputError(

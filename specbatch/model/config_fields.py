@@ -68,8 +68,11 @@ def check_config_fields(raw: dict[str, Any], path: Path) -> None:
             raise InvalidInputError(f"'{path}' has no '{field}' (required: an integer >= 1)")
     for field in (*REQUIRED_INTS, *OPTIONAL_INTS):
         v = raw.get(field)
-        if v is not None and not (_is_int(v) and v >= 1):
-            raise InvalidInputError(f"{name} '{field}' must be an integer >= 1, got {_shown(v)}")
+        least = 0 if field == "sliding_window" else 1  # Qwen2-MoE writes 0 for no window
+        if v is not None and not (_is_int(v) and v >= least):
+            raise InvalidInputError(
+                f"{name} '{field}' must be an integer >= {least}, got {_shown(v)}"
+            )
     for field in OPTIONAL_POSITIVE_NUMBERS:
         v = raw.get(field)
         if v is not None and not (

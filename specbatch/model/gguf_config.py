@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 # What llama.cpp's loader assumes where a Gemma file says nothing (with the rest in
 # _gemma_fields): every n-th layer global, and the 27B models (told by their layer counts)
@@ -77,11 +78,13 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
             + ", ".join(ARCHITECTURES)
         )
     m = _Metadata(reader, file, arch)
+    config_class, architecture = ARCHITECTURES[arch]
     experts = m.int("expert_count", required=False, minimum=0)
-    if experts:
-        raise InvalidInputError(
-            f"'{file}': {arch}.expert_count={experts}: mixture-of-experts models are not supported"
-        )
+    moe: dict[str, Any] = {}
+    if experts or arch == "qwen3moe":  # llama.cpp writes Mixtral as "llama" with experts
+        from specbatch.model.moe import moe_gguf_fields
+
+        config_class, architecture, moe = moe_gguf_fields(reader, file, arch)
     hidden = m.int("embedding_length")
     heads = m.int("attention.head_count")
     kv_heads = m.int("attention.head_count_kv", required=False) or heads
@@ -111,7 +114,7 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     kwargs: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch][1]],
+        "architectures": [architecture],
         "vocab_size": _vocab_size(reader, m),
         "hidden_size": hidden,
         "num_hidden_layers": m.int("block_count"),
@@ -127,6 +130,7 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
         "bos_token_id": bos if isinstance(bos, int) else None,
         "eos_token_id": eos if isinstance(eos, int) else None,
     }
+    kwargs.update(moe)
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
@@ -144,7 +148,7 @@ def gguf_hf_config(reader: GGUFFile, file: Path) -> Any:
     import transformers
 
     try:
-        return getattr(transformers, ARCHITECTURES[arch][0])(**kwargs)
+        return getattr(transformers, config_class)(**kwargs)
     except Exception as e:  # transformers validates some fields itself
         raise InvalidInputError(f"'{file}': its metadata make no valid config: {e}") from None
 

@@ -143,7 +143,7 @@ def _can_dequantize(gguf: Any, kind: int) -> bool:
 def named_tensors(reader: GGUFFile, hf_config: Any) -> Iterator[tuple[str, GGUFTensor]]:
     """Every tensor of the file by Hugging Face name (its own name when it has none, so the
     loader lists it as unexpected), none read yet."""
-    llama = hf_config.model_type == "llama"
+    llama = hf_config.model_type in ("llama", "mixtral")  # Mixtral's files are "llama" ones
     gemma = hf_config.model_type in ("gemma2", "gemma3_text")
     heads = {"attn_q": int(hf_config.num_attention_heads), "attn_k": hf_config.num_key_value_heads}
     for t in reader.tensors:
@@ -152,5 +152,11 @@ def named_tensors(reader: GGUFFile, hf_config: Any) -> Iterator[tuple[str, GGUFT
         part = t.name.split(".")[2] if t.name.startswith("blk.") else None
         permute = heads.get(part) if llama and part is not None else None
         offset = -1.0 if gemma and t.name.endswith("norm.weight") else 0.0
-        name = hf_name(t.name, hf_config.model_type) or t.name
-        yield name, GGUFTensor(reader, t, permute, offset)
+        name = hf_name(t.name, hf_config.model_type)
+        tensor = GGUFTensor(reader, t, permute, offset)
+        if name is None and hasattr(hf_config, "num_experts_per_tok"):
+            from specbatch.model.moe import expert_tensors
+
+            yield from expert_tensors(t.name, tensor, hf_config)
+            continue
+        yield name or t.name, tensor

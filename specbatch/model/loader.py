@@ -23,6 +23,7 @@ from specbatch.model.gguf_tensors import named_tensors
 from specbatch.model.layers.attention import AttentionBackend
 from specbatch.model.layers.weights import Loaded, get_weight_loader
 from specbatch.model.llama import LlamaForCausalLM
+from specbatch.model.moe import MoeForCausalLM, moe_architecture
 from specbatch.model.phi3 import Phi3ForCausalLM, phi3_architecture
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ def model_class(hf_config: Any) -> type[LlamaForCausalLM] | type[GemmaForCausalL
         return GemmaForCausalLM
     if phi3_architecture(hf_config):
         return Phi3ForCausalLM
+    if moe_architecture(hf_config):
+        return MoeForCausalLM
     return LlamaForCausalLM
 
 
