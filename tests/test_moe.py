@@ -33,6 +33,7 @@ from tests.family_checks import (
     DRAFTERS,
     MAX_NEW,
     VOCAB,
+    assert_cli_and_server_run,
     assert_logits_close,
     assert_logprobs_match,
     chi_square_law,
@@ -184,6 +185,24 @@ def test_routing_equals_transformers(renormalise) -> None:
     torch.testing.assert_close(weights, want_w.detach(), atol=1e-6, rtol=1e-6)
     if renormalise:
         torch.testing.assert_close(weights.sum(-1), torch.ones(64))
+
+
+def test_woken_experts_as_theory_counts_them() -> None:
+    """THEORY's E (1 - (1 - k/E)^r) against routes drawn uniformly; its verify cost is 1 for a
+    dense model and above 1 at batch 1 for a mixture."""
+    from specbatch.theory import expected_woken_experts, moe_verify_cost
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 4, 16):
+        picks = torch.rand(4000, rows, 8, generator=gen).argsort(-1)[..., :2]
+        drawn = [len(set(p.flatten().tolist())) for p in picks]
+        assert abs(sum(drawn) / len(drawn) - expected_woken_experts(rows, 8, 2)) < 0.05
+    assert expected_woken_experts(1, 8, 2) == 2.0
+    assert moe_verify_cost(1, 3, 8, 2, fixed_bytes=1.0, expert_bytes=0.0) == 1.0
+    assert moe_verify_cost(1, 3, 8, 2, fixed_bytes=0.0, expert_bytes=1.0) == pytest.approx(
+        expected_woken_experts(4, 8, 2) / 2
+    )
+    assert moe_verify_cost(64, 3, 8, 2, 0.0, 1.0) == pytest.approx(1.0, abs=1e-6)
 
 
 # ---- logits and logprobs against transformers ----------------------------------------------
@@ -362,6 +381,10 @@ def test_transformers_reads_a_qwen3moe_gguf_file_as_specbatch_does(tmp_path) -> 
     tokens, ours = schedule_logits(load_model(file, torch.float32, "cpu"))
     with torch.inference_mode():
         assert_logits_close(ours, [hf(t[None]).logits[0].float() for t in tokens])
+
+
+def test_cli_and_server_run_it(models, make_checkpoint, tmp_path) -> None:
+    assert_cli_and_server_run(models["mixtral"], make_checkpoint, tmp_path)
 
 
 # ---- errors ---------------------------------------------------------------------------------
