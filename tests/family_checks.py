@@ -186,3 +186,39 @@ def ray_cluster() -> Iterator[None]:
     yield
     if started:
         ray.shutdown()
+
+
+def assert_cli_and_server_run(model: Path, make_checkpoint: Any, tmp_path: Path) -> None:
+    """``specbatch generate --model`` and the server's completions on a copy of ``model`` with
+    a tokenizer (a tiny BPE of its vocabulary size) answer what ``LLM`` does."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.config import EngineArgs
+    from specbatch.entrypoints.cli import main
+    from specbatch.entrypoints.openai_server import build_app
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    src = make_checkpoint("llama", with_tokenizer=True, vocab_size=vocab)
+    path = tmp_path / "with-tokenizer"
+    shutil.copytree(model, path)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    with engine(path) as llm:
+        params = SamplingParams(temperature=0, max_tokens=6)
+        want = llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].text
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("hello world\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(path), "--prompts", str(prompts_file), "--output",
+            str(out), "--num-kv-blocks", "64", "--max-model-len", "64", "--max-tokens", "6",
+            "--temperature", "0", "--no-progress", "--dtype", "float32"]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["text"] == want
+    app = build_app(EngineArgs(model=str(path), num_kv_blocks=64, max_model_len=64,
+                               dtype="float32"))  # fmt: skip
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 6,
+                                                 "temperature": 0})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want

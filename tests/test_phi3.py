@@ -31,6 +31,7 @@ from tests.family_checks import (
     DRAFTERS,
     MAX_NEW,
     VOCAB,
+    assert_cli_and_server_run,
     assert_logits_close,
     assert_logprobs_match,
     chi_square_law,
@@ -219,6 +220,10 @@ def test_greedy_at_tensor_parallel_2_equals_transformers(models, hf_outputs, ray
         with engine(models[arch], spec, tensor_parallel_size=2) as llm:
             assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch], arch
             assert llm.engine.metrics.spec.proposed > 0
+
+
+def test_cli_and_server_run_it(models, make_checkpoint, tmp_path) -> None:
+    assert_cli_and_server_run(models["phi4"], make_checkpoint, tmp_path)
 
 
 # ---- errors ---------------------------------------------------------------------------------
