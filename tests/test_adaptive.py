@@ -23,7 +23,6 @@ from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import Request
 from specbatch.scheduler import draft_controller
 from specbatch.scheduler.draft_controller import (
-    PROBE_EVERY,
     REUSE_STEPS,
     DraftController,
     ladder,
@@ -50,10 +49,9 @@ def make_request(rid: str, params: SamplingParams = GREEDY) -> Request:
 
 
 def accepting(ctl: DraftController, alpha: float, cls=GREEDY_CLASS) -> DraftController:
-    """``ctl`` having seen the class accept ``alpha`` of 10,000 drafts (at every depth)."""
+    """``ctl`` having seen the class accept ``alpha`` of 10,000 drafts."""
     ctl.tested[cls] = [alpha * 10_000, 10_000]
-    ctl.by_depth.pop(cls, None)
-    ctl._choice = None
+    ctl._standing = None
     return ctl
 
 
@@ -113,6 +111,7 @@ def test_a_first_pass_at_new_rows_costs_no_more_than_more_rows():
 
 
 def test_row_costs_follow_the_machine_and_keep_their_contrasts():
+    """A machine that slows while one row count runs prices every row count slower."""
     costs = RowCosts()
     for _ in range(50):
         costs.observe(1, 0.001)
@@ -123,59 +122,12 @@ def test_row_costs_follow_the_machine_and_keep_their_contrasts():
     assert costs.seconds(32) / costs.seconds(1) == pytest.approx(3.0, rel=0.05)
 
 
-def test_a_row_count_first_timed_cheap_is_corrected_among_others():
-    """24 rows first timed as one request's prompt chunk (0.02 s), then as 8 requests'
-    verified drafts (0.03 s) between passes over 8 rows (0.012 s), some of each interrupted
-    (three times as long): within 25 of its passes the 24 rows cost 2.5x the 8, and stay so."""
-    costs = RowCosts()
-    costs.observe(1, 1.0)  # a first call: left out
-    for i in range(300):
-        costs.observe(4, 0.010)
-        if i % 50 == 0:
-            costs.observe(24, 0.020)
-    assert costs.seconds(24) / costs.seconds(4) == pytest.approx(2.0, rel=0.05)
-
-    def jitter(i: int) -> float:
-        return (1.0 + 0.04 * (i % 3)) * (3.0 if i % 37 == 0 else 1.0)
-
-    ratios = []
-    for i in range(1, 1001):
-        costs.observe(8, 0.012 * jitter(i))
-        if i % 4 == 0:
-            costs.observe(24, 0.030 * jitter(i + 1))
-            ratios.append(costs.seconds(24) / costs.seconds(8))
-    assert ratios[25:] == pytest.approx([2.5] * len(ratios[25:]), rel=0.1)
-
-
 # ---- expectations -------------------------------------------------------------------------------
 def test_chain_tokens_is_theorys_formula():
     for a, k in ((0.5, 3), (0.8, 1), (0.0, 4)):
         assert chain_tokens(a, k) == pytest.approx(expected_tokens_per_round(a, k))
     tree = DraftShape(4, 4, 16)
     assert tree_bound(0.6, tree) > chain_tokens(0.6, 4)  # more children per level, more tokens
-
-
-def test_chain_tokens_reads_an_acceptance_per_depth():
-    assert chain_tokens([0.8, 0.5, 0.25], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
-    assert chain_tokens([0.8, 0.5], 4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)  # the last on
-
-
-def test_drafts_accepted_less_deeper_in_the_chain_shorten_it():
-    """Two classes accept 3 drafts in 4 overall; one at every depth alike, the other 0.9 at
-    depths 1-2 and 0.1 beyond: with a drafter pass a twentieth of the target's, the first
-    drafts the deepest chain, the second stops at 2."""
-    ctl = priced(ladder(4, 1, 4), drafter=lambda rows: 0.0001)
-    flat, steep = GREEDY, SamplingParams(temperature=0.7, max_tokens=200)
-    for params, depth_rates in ((flat, [0.75] * 4), (steep, [0.9, 0.9, 0.1, 0.1])):
-        req = make_request("a", params)
-        cls = (0.0, 1.0, 0, 0.0) if params.greedy else (0.7, 1.0, 0, 0.0)
-        tested = [10_000 * 0.9**d for d in range(4)]
-        ctl.by_depth[cls] = [[a * n, n] for a, n in zip(depth_rates, tested, strict=True)]
-        acc = sum(a * n for a, n in zip(depth_rates, tested, strict=True))
-        ctl.tested[cls] = [acc, acc / 0.75]
-        ctl._choice = None
-        shape = ctl.draft_shapes([req])[0]
-        assert shape.depth == (4 if params is flat else 2), (params, shape)
 
 
 def test_drafts_are_priced_as_cut_by_max_tokens():
@@ -185,11 +137,7 @@ def test_drafts_are_priced_as_cut_by_max_tokens():
     one, four = DraftShape.chain(1), DraftShape.chain(4)
     estimates = {}
     for max_tokens in (2, 200):
-        ctl._choice = None
-        ctl.draft_shapes(
-            [make_request("a", SamplingParams(temperature=0.0, max_tokens=max_tokens))]
-        )
-        step = ctl._choice.read
+        step = ctl.read([make_request("a", SamplingParams(temperature=0.0, max_tokens=max_tokens))])
         estimates[max_tokens] = [ctl._estimate(step, {GREEDY_CLASS: s}) for s in (one, four)]
     assert estimates[2][1] == pytest.approx(estimates[2][0])
     assert estimates[200][1][0] > estimates[200][0][0] + 0.5  # tokens
@@ -251,11 +199,11 @@ def test_a_draft_is_made_only_where_it_keeps_the_rate():
     shape = ctl.draft_shapes([make_request("a")])[0]
     assert shape == DraftShape.chain(3)
     cls, counts = GREEDY_CLASS, {GREEDY_CLASS: 1}
-    rates = ctl.depth_rates(cls)
+    alpha = ctl.priced_rate(cls)
     made = {}
     for k in range(5):
         plan = {cls: DraftShape.chain(k)}
-        made[k] = ctl.tokens(cls, rates, plan[cls]) / ctl.seconds(counts, plan, 0, {cls: 1.0})
+        made[k] = ctl.tokens(cls, alpha, plan[cls]) / ctl.seconds(counts, plan, 0, {cls: 1.0})
     assert max(made, key=made.get) == 3 and made[4] > made[0]
 
 
@@ -289,7 +237,7 @@ def test_a_request_drafting_beside_plain_ones_is_priced_by_the_whole_step():
     ctl = accepting(priced(ladder(4, 1, 4), target=fixed_and_rows), 0.7)
     req = [make_request("a")]
     assert ctl.draft_shapes(req)[0].nodes
-    ctl._choice = ctl._standing = None
+    ctl._standing = None
     assert ctl.draft_shapes(req, plain=7)[0].nodes == 0
 
 
@@ -342,17 +290,9 @@ def test_each_sampling_class_gets_its_own_shape():
     assert greedy.pop().depth > hot.pop().depth
 
 
-def test_runs_the_runner_up_every_probe_period():
-    ctl = accepting(priced(ladder(4, 1, 4)), 0.7)
-    reqs = [make_request("a")]
-    seen = [ctl.draft_shapes(reqs)[0] for _ in range(2 * PROBE_EVERY)]
-    assert len(set(seen)) == 2
-    assert sum(s != seen[0] for s in seen) == 2
-
-
-def test_a_choice_stands_while_what_it_reads_stays_and_no_longer():
-    """A step reading the same batch, prompt rows and acceptance as the last choice reuses it,
-    for at most ``REUSE_STEPS`` steps; a change in any of them is priced at once."""
+def test_a_choice_stands_for_the_same_requests_and_no_longer():
+    """The same requests, prompt rows and acceptance as the last choice read reuse it, for at
+    most ``REUSE_STEPS`` steps; a change in any of them is priced at once."""
     ctl = priced(ladder(4, 1, 4))
     accepting(ctl, 0.7)
     one = [make_request("a")]
@@ -380,56 +320,9 @@ def test_the_same_requests_on_a_standing_choice_are_not_priced_again(monkeypatch
     read = []
     monkeypatch.setattr(ctl, "_rooms", lambda rs: read.append(1) or {4: len(rs)})
     one = [make_request("a")]
-    seen = [ctl.draft_shapes(one)[0] for _ in range(PROBE_EVERY - 1)]  # no probe yet
+    seen = [ctl.draft_shapes(one)[0] for _ in range(4 * REUSE_STEPS)]
     assert len(set(seen)) == 1 and seen[0].nodes
-    assert len(read) == math.ceil((PROBE_EVERY - 1) / REUSE_STEPS)
-
-
-def test_a_probe_of_drafts_is_charged_the_drafters_whole_lag():
-    """While nobody drafts, the drafter lags; a probe drafts for one step and so catches up on
-    all of it then. Where drafts nearly pay, the runner-up is probed when the drafter is level,
-    and not when it lags a hundred tokens a request."""
-
-    def target(rows: int) -> float:
-        return 0.002 + 0.00017 * rows
-
-    probes = {}
-    for lag in (0, 100):
-        ctl = accepting(priced(ladder(4, 1, 4), target=target), 0.6)
-        reqs = []
-        for i in range(8):
-            req = Request(str(i), list(range(1, 201)), GREEDY, max_model_len=512)
-            req.num_computed, req.num_draft_computed = 199, 199 - lag
-            req.spec.accepted, req.spec.rejections = 60, 40
-            reqs.append(req)
-        seen = [ctl.draft_shapes(reqs)[0] for _ in range(PROBE_EVERY)]
-        assert all(s.nodes == 0 for s in seen[:-1])
-        probes[lag] = seen[-1].nodes
-    assert probes == {0: 1, 100: 0}
-
-
-def test_drafts_priced_too_dear_are_probed_again_in_time():
-    """Drafter passes measured at ten times their cost (a slow moment of a shared host)
-    stop drafts; probes of them, each expected to lose far more than a tenth of a token, run
-    only after as many steps as pay for that loss: none in the first 32 steps, one within the
-    next 1,024, whose measure (the true cost) then brings drafts back."""
-    ctl = priced(ladder(4, 1, 4), target=memory_bound)
-    ctl.catch_up, ctl.depth = RowCosts(), RowCosts()
-    for curve in (ctl.catch_up, ctl.depth):
-        curve.observe(1, 1.0)  # a first call: left out
-        for rows in (1, 2, 4):
-            curve.observe(rows, 10 * cheap_drafter(rows))
-    accepting(ctl, 0.9)
-    one = [make_request("a")]
-    seen = [ctl.draft_shapes(one)[0] for _ in range(PROBE_EVERY)]
-    assert all(s.nodes == 0 for s in seen)
-    first = next(i for i in range(1024) if ctl.draft_shapes(one)[0].nodes)
-    assert first > PROBE_EVERY
-    for _ in range(8):  # the probe's passes, at their true cost
-        for curve in (ctl.catch_up, ctl.depth):
-            for rows in (1, 2, 4):
-                curve.observe(rows, cheap_drafter(rows))
-    assert any(ctl.draft_shapes(one)[0].nodes for _ in range(REUSE_STEPS))
+    assert len(read) == 4
 
 
 def test_no_drafts_before_anything_was_measured():
@@ -535,7 +428,7 @@ def test_start_up_timing_keeps_a_fresh_engine_from_drafting_where_drafts_lose():
         return Scheduler(limits, kv, StopChecker(None), policy, speculative=True)
 
     calibrate(ctl, new_scheduler, execute, vocab_size=100, max_model_len=256, max_num_seqs=256)
-    assert not ctl.tested and not ctl.by_depth
+    assert not ctl.tested
     assert kv.num_free_blocks == kv.num_blocks
     assert len(set(forgotten)) == 2 + sum(batch_sizes(256))  # the workers forget every one
     accepting(ctl, 0.7)
@@ -607,7 +500,7 @@ def test_the_start_up_timing_leaves_nothing_behind(pair):  # noqa: F811
     for curve in (policy.target, policy.catch_up, policy.depth, policy.rest_plain):
         assert curve.level is not None
     assert len(policy.target.offsets) >= len(batch_sizes(256))
-    assert not policy.tested and not policy.by_depth
+    assert not policy.tested
     assert eng.num_free_kv_blocks == eng.num_kv_blocks and eng.kv_cache.num_cached_blocks == 0
     assert not eng.executor.worker._states and not eng.scheduler.requests
     assert eng.metrics.summary()["steps"] == 0

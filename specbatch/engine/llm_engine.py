@@ -29,7 +29,6 @@ from specbatch.outputs import (
 from specbatch.request import PositionLogprobs, Request
 from specbatch.sampling_params import SamplingParams
 from specbatch.scheduler.draft_controller import DraftController, ladder
-from specbatch.scheduler.drafting_trial import DraftingTrial
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraft, SpeculationPolicy
 from specbatch.stop_checker import StopChecker
@@ -102,11 +101,7 @@ class LLMEngine:
         if isinstance(policy, DraftController):
             self._calibrate(policy)
         self.scheduler = self._new_scheduler(policy, self.stop_checker)
-        # with auto, whether drafting pays is also measured over stretches of steps
-        self.trial = DraftingTrial() if spec.auto else None
         self.metrics = EngineMetrics()
-        if self.trial is not None:
-            self.metrics.measured = self.trial.measured
         self._ids = itertools.count()
         self._seeds = itertools.count(1)
         self._groups: dict[str, list[Request]] = {}  # request id -> its n completions
@@ -322,18 +317,7 @@ class LLMEngine:
         seconds = time.perf_counter() - start  # the whole step: the policy prices it all
         if not self.scheduler.lag.asleep:  # a sleeping drafter's policy learns nothing
             self.scheduler.policy.observe(plan, result, seconds)
-        m = self.metrics
-        tokens, drafting_steps = m.num_generated_tokens, m.drafting_steps
-        m.on_step(plan, result, seconds)
-        if self.trial is not None:  # the step's tokens and whether it drafted, as counted
-            self.trial.step(
-                self.scheduler.lag,
-                self.scheduler.running,
-                len(plan.requests),
-                m.num_generated_tokens - tokens,
-                seconds,
-                m.drafting_steps > drafting_steps,
-            )
+        self.metrics.on_step(plan, result, seconds)
         return failed + outputs
 
     def _outputs_of(self, touched: list[Request]) -> list[RequestOutput]:

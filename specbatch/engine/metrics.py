@@ -24,8 +24,6 @@ class EngineMetrics:
     drafting_steps: int = 0  # ... and some did
     prefix_cache_queries: int = 0  # tokens of requests admitted for the first time
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
-    # with auto, batch sizes -> (drafting's, plain decoding's) output tokens a second, measured
-    measured: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def on_step(self, plan: SchedulerOutput, result: StepResult, step_time: float) -> None:
         self.num_steps += 1
@@ -69,7 +67,6 @@ class EngineMetrics:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "measured": dict(self.measured),
         }
 
     @property

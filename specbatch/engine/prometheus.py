@@ -171,15 +171,6 @@ class _EngineCollector(Collector):
             for key, value in values.items():
                 family.add_metric([model, str(key)], value)
             yield family
-        family = GaugeMetricFamily(
-            PREFIX + "spec_decode_measured_speedup",
-            "With auto: output tokens/s drafting over plain decoding's at these batch sizes, "
-            "as last measured over stretches of steps.",
-            labels=["model_name", "batch"],
-        )
-        for batch, (drafting, plain) in sorted(m.measured.items()):
-            family.add_metric([model, batch], drafting / plain)
-        yield family
         replicas = self.engine.replica_health()
         if replicas is not None:
             family = GaugeMetricFamily(

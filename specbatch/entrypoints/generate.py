@@ -237,9 +237,4 @@ def speculation_summary(metrics: EngineMetrics) -> str:
             f"; drafts in {shown} of decoding steps "
             f"({metrics.drafting_steps:,} of {metrics.decoding_steps:,})"
         )
-    for batch, (drafting, plain) in sorted(metrics.measured.items()):
-        out += (
-            f"; measured at batch {batch}: drafting made {drafting / plain:.2f}x plain decoding's "
-            f"tokens/s ({drafting:,.0f} against {plain:,.0f})"
-        )
     return out

@@ -1,44 +1,14 @@
 """``num_speculative_tokens="auto"``: each step, the drafts of most expected tokens per second.
 
-For the decoding requests of a step, every candidate shape of a small ladder (no drafts, chains
-of 1 .. ``max_draft_length``, and, when ``topk`` > 1, trees of that many children per node) is
-priced by what this machine's passes cost and what the requests are expected to accept; the
-step runs the best. docs/ADAPTIVE.md explains it; the choice reads only earlier steps, so the
-output law is the target's whatever it picks.
-
-Tokens. A sampling class's ``alpha`` (accepted / tested drafts of its requests) leans on the
-rate of every class (``PRIOR_WEIGHT`` pseudo-tests), starting at ``PRIOR_ALPHA``. A draft deeper
-in a chain may be accepted less often (the drafter reads more of its own guesses), so each class
-also counts its chains' tests and acceptances at each depth: the acceptance at depth d is that
-rate, leaning on the class's. A request's own record is not read: a few rounds of it are noise,
-and a shape chosen because a request looked lucky yields less than priced. A chain of k drafts
-yields ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_k`` tokens a round (THEORY.md's
-``E(a, k) = (1 - a^(k+1)) / (1 - a)`` when every ``a_d`` is ``a``), cut to the drafts the
-request's max_tokens leaves room for. A tree of depth D accepts
-level d with at most ``1 - (1 - a_d)^b`` (b its children per level); its expectation from that
-bound is replaced, as rounds come in, by what trees of that shape yielded in its class.
-
-Seconds. A step costs the target's pass over all its rows (the prompt chunks it carries
-included, and what admissions will add), the drafter's passes (its first over what it catches
-up on, one per depth after that over the requests' beams), and the rest of the step (sampling,
-bookkeeping: by the target's rows, prompts included, measured in steps that draft and in
-steps that do not; a step that drafts pays at least what the same step without drafts pays),
-each measured (row_costs.py). At long contexts a pass also reads every request's cached keys,
-whatever its rows: that part is priced per cached token (``KvPrices``, measured at start-up),
-by each request's context for the target and by what the drafter's view of it holds for the
-drafter, and left out of what the row prices learn.
-
-The choice. The plan of most tokens a second in the step's decoding: the plan of highest
-``tokens - rate * seconds`` with ``rate`` first what the same requests make a second without
-drafts and without prompts, then what the plan chosen makes, until it stops rising
-(Dinkelbach's iteration). So drafting stops where verifying rows or drafting passes cost more
-than the tokens they bring, a chain stops where a deeper draft's tokens come slower than the
-chain's own, and a step that carries prompts is priced at its margin. Requests of the step
-decoding without a drafter (admitted while it slept) are part of its decoding: a row and a
-token each whatever the plan, so drafts for the others are weighed against every token the
-step makes. Each sampling class gets
-its own shape (two sweeps of choosing one class's shape with the others fixed), all drafting
-classes of a step with the same children per node.
+Each decoding request's sampling class gets a shape from ``ladder`` (no drafts, chains of 1 ..
+``max_draft_length``, trees when ``topk`` > 1), the one that maximises the step's expected tokens
+over its priced seconds (Dinkelbach's iteration). Tokens: the class's acceptance (``lean`` on the
+rate of every class, priced ``OPTIMISM`` standard errors high) through THEORY.md's chain formula,
+each shape cut to the drafts a request's max_tokens leaves room for; a tree's bound, replaced
+by its measured yield. Seconds: each pass at its measured row price (row_costs.py) plus, at long
+contexts, each request's cached keys at their measured price (``KvPrices``). The choice reads
+only earlier steps, so the output law is the target's whatever it picks. docs/ADAPTIVE.md has
+the whole argument.
 """
 
 from __future__ import annotations
@@ -59,7 +29,6 @@ from specbatch.scheduler.row_costs import RowCosts
 
 PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
 TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
-PROBE_EVERY = 32  # steps between two probes of another plan (keeps its figures fresh)
 MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
 STANDING_TIMING = 4  # steps of the same requests on a standing choice: one in this many is timed
@@ -72,7 +41,6 @@ SamplingClass = tuple[float, float, int, float]
 Counts = dict[SamplingClass, int]  # requests of each class in the step
 Rooms = dict[SamplingClass, dict[int, int]]  # per class: draft room -> requests with that room
 Alphas = dict[SamplingClass, float]
-Rates = tuple[float, ...]  # the acceptance at each depth 1, 2, ...
 Shapes = dict[SamplingClass, DraftShape]  # a plan: each class's shape
 
 
@@ -100,42 +68,22 @@ class _Step:
     counts: Counts
     rooms: Rooms  # the drafts each request's max_tokens leaves room for (a shape is cut to it)
     alphas: Alphas
-    rates: dict[SamplingClass, Rates]
+    rates: Alphas  # what each class's acceptance is priced at
     behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
     prompt_rows: int
     plain: int  # requests decoding without a drafter: a row and a token each, whatever the plan
     contexts: dict[SamplingClass, float]  # each class's mean context a request
     memo: dict[tuple, tuple[float, float | None]] = field(default_factory=dict)
 
-    def near(self, other: _Step) -> bool:
-        """Whether a choice priced reading ``other`` stands for this step: the same batch,
-        rooms and prompt rows, each class's acceptance within ``ALPHA_SLACK`` and its catch-up
-        rows a request within a factor of four (one more or fewer draft accepted last round
-        moves them; a request arriving with its whole prompt to catch up on does not stay
-        near)."""
-        if (self.counts, self.rooms, self.prompt_rows, self.plain) != (
-            other.counts,
-            other.rooms,
-            other.prompt_rows,
-            other.plain,
-        ):
-            return False
-        for c, n in self.counts.items():
-            if abs(self.alphas[c] - other.alphas[c]) > ALPHA_SLACK:
-                return False
-            if abs(math.log2((1 + self.behind[c] / n) / (1 + other.behind[c] / n))) > 2:
-                return False
-            if abs(math.log2((1 + self.contexts[c]) / (1 + other.contexts[c]))) > 0.1:
-                return False
-        return True
-
 
 @dataclass
-class _Choice:
-    """A choice that later steps reading about the same reuse."""
+class _Standing:
+    """The shapes last handed out, and what they were chosen for."""
 
-    read: _Step
-    plan: Shapes
+    requests: list[Request]
+    rows: tuple[int, int]  # prompt rows and plain requests
+    alphas: Alphas
+    shapes: list[DraftShape]
     steps_left: int
 
 
@@ -163,20 +111,11 @@ class DraftController:
         self.rest_plain = RowCosts()
         self.rest_drafting = RowCosts()
         self.tested: dict[SamplingClass, list[float]] = {}  # class -> [accepted, tested]
-        # class -> [accepted, tested] of its chains' drafts at each depth
-        self.by_depth: dict[SamplingClass, list[list[float]]] = {}
         self.yields: dict[tuple[SamplingClass, DraftShape], list[float]] = {}  # [tokens, rounds]
         self._class_of: dict[str, SamplingClass] = {}
-        self._steps: defaultdict[int, int] = defaultdict(int)
-        self._choice: _Choice | None = None
-        # the requests, prompt rows and plain requests the standing choice was last handed out
-        # for, and its shapes
-        self._standing: tuple[list[Request], tuple[int, int], list[DraftShape], _Choice] | None = (
-            None
-        )
+        self._standing: _Standing | None = None
         self._untimed = 0  # steps served from ``_standing`` since one was timed
         self._served = False  # whether the last call was served from ``_standing``
-        self._idle = 0  # steps since a plan last drafted (the probes' loss is paid from it)
         self._pricing = 0.0  # seconds spent choosing since the last step was observed
 
     # ---- expectations --------------------------------------------------------------------
@@ -190,27 +129,21 @@ class DraftController:
         acc, tested = self.tested.get(cls, (0.0, 0.0))
         return lean(acc, tested, overall)
 
-    def depth_rates(self, cls: SamplingClass) -> Rates:
-        """The class's acceptance at each depth, leaning on its rate, plus ``OPTIMISM``
-        standard errors of a rate read from as many tests as the class has had: a rate read
-        from a few tests may be low by chance, and drafts priced on it would stop, and with
-        them the tests that would show it."""
-        rate = self.class_rate(cls)
-        counts = self.by_depth.get(cls, [])
+    def priced_rate(self, cls: SamplingClass) -> float:
+        """The class's acceptance plus ``OPTIMISM`` standard errors of a rate read from as many
+        tests as it has had: a rate read from a few tests may be low by chance, and drafts
+        priced on it would stop, and with them the tests that would show it."""
+        a = self.class_rate(cls)
         known = self.tested.get(cls, (0.0, 0.0))[1] + PRIOR_WEIGHT
-        rates = []
-        for d in range(max(self.shape.depth, 1)):
-            a = lean(*(counts[d] if d < len(counts) else (0.0, 0.0)), rate)
-            rates.append(min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / known)))
-        return tuple(rates)
+        return min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / known))
 
-    def tokens(self, cls: SamplingClass, rates: Rates, shape: DraftShape) -> float:
-        """Expected tokens a round for one request of ``cls`` accepting at ``rates``."""
+    def tokens(self, cls: SamplingClass, alpha: float, shape: DraftShape) -> float:
+        """Expected tokens a round for one request of ``cls`` accepting at ``alpha``."""
         if shape.nodes == 0:
             return 1.0
         if shape.is_chain:
-            return chain_tokens(rates, shape.depth)
-        bound = tree_bound(rates, shape)
+            return chain_tokens(alpha, shape.depth)
+        bound = tree_bound(alpha, shape)
         got, rounds = self.yields.get((cls, shape), (0.0, 0.0))
         return (got + TREE_PRIOR_ROUNDS * bound) / (rounds + TREE_PRIOR_ROUNDS)
 
@@ -277,9 +210,7 @@ class DraftController:
         self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
     ) -> list[DraftShape]:
         """Each request's shape. The seconds this call takes are left out of the step's
-        seconds ``observe`` prices: a priced step (every probe is one) would otherwise charge
-        the pricing to the plan it ran, and no drafts, run only by probes, would look dearer
-        than they are."""
+        seconds ``observe`` prices: they are the choice's, not the plan's."""
         start = time.perf_counter()
         try:
             return self._shapes(requests, prompt_rows, plain)
@@ -294,69 +225,51 @@ class DraftController:
         if shapes is not None:
             return shapes
         classes = [sampling_class(r.sampling_params) for r in requests]
-        groups: dict[SamplingClass, list[Request]] = defaultdict(list)
-        for c, r in zip(classes, requests, strict=True):
-            groups[c].append(r)
         self._class_of = {r.request_id: c for r, c in zip(requests, classes, strict=True)}
-        none = {c: DraftShape() for c in groups}
         if self.target.level is None:  # nothing priced yet
             return [DraftShape()] * len(requests)
-        alphas = {c: self.class_rate(c) for c in groups}
-        rates = {c: self.depth_rates(c) for c in groups}
-        step = _Step(
+        step = self.read(requests, prompt_rows, plain)
+        plan = self._fastest(step, {c: DraftShape() for c in step.counts})
+        shapes = [plan[c] for c in classes]
+        self._standing = _Standing(
+            list(requests), (prompt_rows, plain), step.alphas, shapes, REUSE_STEPS - 1
+        )
+        return shapes
+
+    def read(self, requests: list[Request], prompt_rows: int = 0, plain: int = 0) -> _Step:
+        """What the choice for ``requests`` reads."""
+        groups: dict[SamplingClass, list[Request]] = defaultdict(list)
+        for r in requests:
+            groups[sampling_class(r.sampling_params)].append(r)
+        rates = {c: self.priced_rate(c) for c in groups}
+        return _Step(
             counts={c: len(rs) for c, rs in groups.items()},
             rooms={c: self._rooms(rs) for c, rs in groups.items()},
-            alphas=alphas,
+            alphas={c: self.class_rate(c) for c in groups},
             rates=rates,
             behind={c: self._catch_up(rs, rates[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
             plain=plain,
             contexts={c: sum(r.num_tokens for r in rs) / len(rs) for c, rs in groups.items()},
         )
-        n = len(requests)
-        self._steps[n] += 1
-        probe = self._steps[n] % PROBE_EVERY == 0
-        choice = self._choice
-        if probe or choice is None or not choice.steps_left or not step.near(choice.read):
-            plan, rate = self._fastest(step, none)
-            if probe:
-                plan = self._runner_up(step, rate, plan, groups)
-            choice = _Choice(step, plan, REUSE_STEPS)
-            if not probe:  # a probe's plan is not the choice
-                self._choice = choice
-        choice.steps_left -= 1
-        plan = choice.plan
-        self._idle = 0 if any(s.nodes for s in plan.values()) else self._idle + 1
-        shapes = [plan[c] for c in classes]
-        self._standing = (list(requests), (prompt_rows, plain), shapes, choice)  # not a probe's
-        return shapes
 
     def _as_before(
         self, requests: list[Request], prompt_rows: int, plain: int
     ) -> list[DraftShape] | None:
-        """The shapes handed out last, for the very same requests and prompt rows while the
-        choice stands, each class's acceptance has stayed within ``ALPHA_SLACK`` and no probe
-        is due: what pricing would mostly find again, at a fraction of its cost (pricing every
-        step of a batch-1 run cost several percent of its steps). Else None."""
-        standing = self._standing
-        if standing is None:
+        """The shapes handed out last, for the very same requests and prompt rows, for at most
+        ``REUSE_STEPS`` steps while each class's acceptance stays within ``ALPHA_SLACK``: what
+        pricing would mostly find again, at a fraction of its cost. Else None."""
+        s = self._standing
+        if s is None or s.steps_left <= 0 or s.rows != (prompt_rows, plain):
             return None
-        before, rows, shapes, choice = standing
-        if choice is not self._choice or choice.steps_left <= 0:
+        if len(s.requests) != len(requests):
             return None
-        if rows != (prompt_rows, plain) or len(before) != len(requests):
+        if any(a is not b for a, b in zip(s.requests, requests, strict=True)):
             return None
-        if any(a is not b for a, b in zip(before, requests, strict=True)):
+        if any(abs(self.class_rate(c) - a) > ALPHA_SLACK for c, a in s.alphas.items()):
             return None
-        if any(abs(self.class_rate(c) - a) > ALPHA_SLACK for c, a in choice.read.alphas.items()):
-            return None
-        n = len(requests)
-        if (self._steps[n] + 1) % PROBE_EVERY == 0:
-            return None
-        self._steps[n] += 1
-        choice.steps_left -= 1
-        self._idle = 0 if any(s.nodes for s in shapes) else self._idle + 1
-        return shapes
+        s.steps_left -= 1
+        return s.shapes
 
     def _rooms(self, requests: list[Request]) -> dict[int, int]:
         """How many of ``requests`` have room for each number of drafts before their
@@ -367,13 +280,13 @@ class DraftController:
             rooms[min(most, max(0, r.max_output_tokens - len(r.output_token_ids) - 1))] += 1
         return dict(rooms)
 
-    def _catch_up(self, requests: list[Request], rates: Rates) -> float:
+    def _catch_up(self, requests: list[Request], alpha: float) -> float:
         """The rows the drafter's first pass reads for ``requests`` before drafting, as a
         charge on this round: a round's own tokens in full; what the drafter lags beyond them
         (it does while a request drafts nothing) serves every later round of its request too,
         so it is spread over the rounds the request has left (at the deepest chain's tokens a
         round)."""
-        per_round = chain_tokens(rates, self.shape.depth)
+        per_round = chain_tokens(alpha, self.shape.depth)
         charge = 0.0
         for r in requests:
             lag = r.num_tokens - r.num_draft_computed
@@ -403,8 +316,8 @@ class DraftController:
         tokens, seconds = self._estimate(step, plan)
         return float("-inf") if seconds is None else tokens - rate * seconds
 
-    def _fastest(self, step: _Step, none: Shapes) -> tuple[Shapes, float]:
-        """The plan to run and the rate (tokens a second) its seconds are worth: the plan of
+    def _fastest(self, step: _Step, none: Shapes) -> Shapes:
+        """The plan to run: the plan of
         most tokens a second in the step's requests' decoding, found as Dinkelbach's iteration
         does (the plan of most value at a rate, then the rate that plan makes, until it stops
         rising). Its first round prices at what no drafts make, so drafts are made only where
@@ -412,27 +325,25 @@ class DraftController:
         a deeper draft is made only if its tokens come as fast as the shorter chain's: one
         that merely beats no drafts would lower the rate."""
         bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
-        decoding = bare or step
         tokens = sum(step.counts.values()) + step.plain
         seconds = self.seconds(step.counts, none, step.plain, contexts=step.contexts)
         rate = tokens / (seconds or 1.0)
         plan = none
         for _ in range(RATE_ROUNDS):
             trial = self._best(step, bare, rate, none)
-            tokens, seconds = self._estimate(decoding, trial)
+            tokens, seconds = self._estimate(bare or step, trial)
             if trial == plan or not seconds or tokens / seconds <= rate:
                 break
             plan, rate = trial, tokens / seconds
-        return plan, rate
+        return plan
 
     def _best(self, step: _Step, bare: _Step | None, rate: float, plan: Shapes) -> Shapes:
         """The plan of most value at ``rate``; ``plan`` drafts nothing, ``bare`` is the step
         without its prompts (None: it has none). Drafts must beat no drafts by a margin: where
         they barely pay, the model's errors would decide, and a wrong draft costs more than a
-        wrong abstention. In a step carrying prompts they must also pay in the same step
-        without them: priced at the margin of a prompt-heavy step, drafts look cheap, and the
-        drafter's catch-up they start is worth its price only if the requests go on drafting
-        in the steps that follow, which carry fewer prompts."""
+        wrong abstention. In a step carrying prompts they must also pay without them: the
+        drafter's catch-up they start pays only if the requests go on drafting in the steps
+        that follow, which carry fewer prompts."""
         n = sum(step.counts.values())
         best = self._value(step, plan, rate) + MARGIN * n
         floor = 0.0 if bare is None else self._value(bare, plan, rate) + MARGIN * n
@@ -448,37 +359,6 @@ class DraftController:
                     if value > best and (bare is None or self._value(bare, trial, rate) > floor):
                         plan, best = trial, value
         return plan
-
-    def _runner_up(
-        self, step: _Step, rate: float, plan: Shapes, groups: dict[SamplingClass, list[Request]]
-    ) -> Shapes:
-        """The plan to probe instead of ``plan``. A plan that drafts: no drafts, whose price
-        every choice is weighed against (an over-priced one would keep drafts running that
-        lose). Else the best plan that differs in the largest class's shape, unless it is
-        expected to lose more than a tenth of a token a request for every ``PROBE_EVERY`` steps
-        since drafts last ran (then ``plan`` again): so drafts priced too dear by a slow moment
-        are measured again, the probes costing at most that much; a probe drafts for one step,
-        so it is charged the drafter's whole lag, not a share of it."""
-        if any(s.nodes for s in plan.values()):
-            return {c: DraftShape() for c in plan}
-        lags = {c: float(sum(r.num_tokens - r.num_draft_computed for r in rs))
-                for c, rs in groups.items()}  # fmt: skip
-        step = dataclasses.replace(step, behind=lags, memo={})
-        c = max(step.counts, key=lambda c: step.counts[c])
-        topks = {s.topk for d, s in plan.items() if d != c and s.nodes}
-        others = [s for s in self.shapes
-                  if s != plan[c] and not (s.nodes and topks and s.topk not in topks)]  # fmt: skip
-        if not others:
-            return plan
-
-        def value(s: DraftShape) -> float:
-            return self._value(step, {**plan, c: s}, rate)
-
-        pick = max(others, key=value)
-        allowed = 0.1 * sum(step.counts.values()) * max(1.0, self._idle / PROBE_EVERY)
-        if value(plan[c]) - value(pick) > allowed:
-            return plan
-        return {**plan, c: pick}
 
     # ---- after the step ------------------------------------------------------------------
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
@@ -498,15 +378,7 @@ class DraftController:
             counts = self.tested.setdefault(cls, [0.0, 0.0])
             counts[0] += r.num_accepted
             counts[1] += r.num_accepted + rejected
-            if shape.is_chain:  # drafts 1 .. accepted + 1 were tested, 1 .. accepted passed
-                depths = self.by_depth.setdefault(cls, [])
-                tested = min(r.num_accepted + rejected, r.num_proposed)
-                while len(depths) < tested:
-                    depths.append([0.0, 0.0])
-                for d in range(tested):
-                    depths[d][0] += d < r.num_accepted
-                    depths[d][1] += 1
-            else:
+            if not shape.is_chain:
                 y = self.yields.setdefault((cls, shape), [0.0, 0.0])
                 y[0] += r.num_accepted + 1
                 y[1] += 1

@@ -6,17 +6,8 @@ speed (which drifts by tens of percent within minutes on a shared host), plus an
 row bucket: so a bucket measured a minute ago still compares fairly with one measured now.
 Other work on the machine only ever adds time to a pass, so the level moves fast towards a
 pass faster than it expects and slowly towards a slower one: it follows the machine's speed,
-not its interruptions.
-
-An offset is a contrast between row counts, and it is learnt from contrasts: two passes of
-different buckets one after the other ran at about the same speed of the machine, so their
-log-seconds differ by the difference of their offsets whatever the level. At each such pair
-the bucket with fewer passes (the less known) moves a share of the way to the median of the
-offsets its last few pairs showed (one interrupted pass among them moves nothing). Passes of
-one bucket in a row show no contrast: they move the level only, so a machine that slows while
-one row count runs prices every row count slower, not that one dearer. A bucket first timed
-where its rows cost less (a prompt's chunk of one request, before the same rows verify drafts
-of several) is so corrected within a few of its passes among others.
+not its interruptions. A settled bucket's passes move the level only, so a machine that slows
+while one row count runs prices every row count slower, not that one dearer.
 
 A curve's first pass is not taken (it pays what a first call pays: buffers allocated, code
 paths warmed). A bucket's offset starts as the least of its first few passes (any one of them
@@ -34,12 +25,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections import deque
 
 FAST, SLOW = 0.3, 0.03  # shares of a faster / slower pass's surprise that move the level
 SETTLE = 3  # a bucket's first passes: its offset is the least of them, the level stays
-PAIRS = 9  # a bucket's last contrasts whose median its offset moves towards
-PAIR_SHARE = 0.15  # the share of the way it moves at each
 
 
 def row_bucket(rows: int) -> int:
@@ -54,9 +42,6 @@ class RowCosts:
         self._sorted: list[int] = []
         self._warm = False  # whether the first pass was seen (and left out)
         self._passes: dict[int, int] = {}  # row bucket -> passes measured there
-        self._pairs: dict[int, deque[float]] = {}  # row bucket -> offsets its last pairs showed
-        # the last pass: its bucket and the level it showed (None while its bucket settled)
-        self._last: tuple[int, float | None] | None = None
         self._prices: dict[int, float] = {}  # rows -> seconds, until the next pass is measured
         self._floors: list[float] = []  # [i]: the largest offset of measured buckets 0..i
 
@@ -71,7 +56,6 @@ class RowCosts:
             return
         if self.level is None:
             self.level = y
-        last, self._last = self._last, (b, None)
         seen = self._passes[b] = self._passes.get(b, 0) + 1
         if seen == 1:  # a new row count: its contrast, not the machine's drift
             bisect.insort(self._sorted, b)
@@ -80,23 +64,8 @@ class RowCosts:
         if seen <= SETTLE:  # one pass may have been interrupted: the least of the first few
             self.offsets[b] = min(self.offsets[b], y - self.level)
             return
-        shown = y - self._offset(x)  # the level this pass shows
-        self._last = (b, shown)
-        surprise = shown - self.level
+        surprise = y - self._offset(x) - self.level  # the level this pass shows, less ours
         self.level += (FAST if surprise < 0 else SLOW) * surprise
-        if last is not None and last[1] is not None and last[0] != b:
-            self._contrast(b, shown, last[0], last[1])
-
-    def _contrast(self, b: int, shown: float, a: int, shown_a: float) -> None:
-        """A pass of bucket ``b`` right after one of bucket ``a``, each showing a level: the
-        less known of the two moves towards the offset that would make them agree."""
-        mover, gap = (
-            (b, shown - shown_a) if self._passes[b] <= self._passes[a] else (a, shown_a - shown)
-        )
-        pairs = self._pairs.setdefault(mover, deque(maxlen=PAIRS))
-        pairs.append(self.offsets[mover] + gap)
-        median = sorted(pairs)[(len(pairs) - 1) // 2]
-        self.offsets[mover] += PAIR_SHARE * (median - self.offsets[mover])
 
     def _cap(self, b: int) -> float:
         """The most a new bucket ``b``'s offset may be: in proportion to a smaller bucket's
