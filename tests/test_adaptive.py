@@ -25,9 +25,10 @@ from specbatch.scheduler import draft_controller
 from specbatch.scheduler.draft_controller import (
     REUSE_STEPS,
     DraftController,
+    chain_tokens,
     ladder,
+    tree_bound,
 )
-from specbatch.scheduler.draft_yield import chain_tokens, tree_bound
 from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
 from specbatch.scheduler.row_costs import RowCosts, row_bucket
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits

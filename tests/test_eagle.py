@@ -20,7 +20,7 @@ from specbatch.draft_shape import DraftShape
 from specbatch.model.eagle import TargetParts, detect_layout, load_eagle_head
 from specbatch.model.layers.attention import AttentionMetadata, TorchAttentionBackend
 from specbatch.model.loader import load_model
-from specbatch.scheduler.drafter_lag import SLEEP_AFTER
+from specbatch.scheduler.drafter_sleep import SLEEP_AFTER
 from specbatch.stats import chi_square_gof
 from specbatch.testing.eagle_heads import make_eagle_head
 from tests.helpers import assert_full_vocab_head_has_no_d2t, exact_joint, hf_greedy

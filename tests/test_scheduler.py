@@ -10,7 +10,7 @@ from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import FinishReason, Request
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.drafter_lag import SLEEP_AFTER
+from specbatch.scheduler.drafter_sleep import SLEEP_AFTER
 from specbatch.scheduler.output import RequestStepResult, SchedulerOutput, StepResult
 from specbatch.scheduler.scheduler import Scheduler, SchedulerLimits
 from specbatch.scheduler.speculation import FixedDraft
@@ -375,7 +375,7 @@ def test_a_drafter_with_one_request_running_stays_awake():
     sched.add_request(request("one", prompt_len=3, max_tokens=300, max_len=512))
     for _ in range(2 * SLEEP_AFTER):
         step(sched, rng)
-    assert not sched.lag.asleep and not sched.running[0].drafter_off
+    assert not sched.sleep.asleep and not sched.running[0].drafter_off
     assert policy.calls == 2 * SLEEP_AFTER - 1  # every decoding step
     run_to_completion(sched, kv, rng)
     assert kv.num_free_blocks == kv.num_blocks

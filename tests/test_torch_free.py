@@ -7,7 +7,6 @@ import sys
 MODULES = [
     "specbatch.scheduler.scheduler",
     "specbatch.scheduler.draft_controller",
-    "specbatch.scheduler.draft_yield",
     "specbatch.scheduler.row_costs",
     "specbatch.scheduler.prefix_sharing",
     "specbatch.kv_cache.kv_cache_manager",

@@ -315,7 +315,7 @@ class LLMEngine:
         touched = self.scheduler.update(plan, result)
         outputs = self._outputs_of(touched)
         seconds = time.perf_counter() - start  # the whole step: the policy prices it all
-        if not self.scheduler.lag.asleep:  # a sleeping drafter's policy learns nothing
+        if not self.scheduler.sleep.asleep:  # a sleeping drafter's policy learns nothing
             self.scheduler.policy.observe(plan, result, seconds)
         self.metrics.on_step(plan, result, seconds)
         return failed + outputs

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from specbatch.draft_shape import DraftShape
 from specbatch.request import Request
 from specbatch.sampling_params import SamplingParams
-from specbatch.scheduler.draft_yield import PRIOR_WEIGHT, chain_tokens, lean, tree_bound
 from specbatch.scheduler.kv_prices import KvPrices
 from specbatch.scheduler.output import SchedulerOutput, StepResult
 from specbatch.scheduler.row_costs import RowCosts
 
 PRIOR_ALPHA = 0.6  # the acceptance assumed before any draft was tested
+PRIOR_WEIGHT = 32.0  # pseudo-tests a rate leans on its prior with
 TREE_PRIOR_ROUNDS = 8.0  # pseudo-rounds a tree's measured yield leans on its bound with
 MARGIN = 0.05  # tokens a request a step that drafting must gain over no drafts
 REUSE_STEPS = 8  # steps a choice stands while what it reads stays about the same
@@ -49,6 +49,23 @@ def sampling_class(p: SamplingParams) -> SamplingClass:
     return (0.0, 1.0, 0, 0.0) if p.greedy else (p.temperature, p.top_p, p.top_k, p.min_p)
 
 
+def lean(accepted: float, tested: float, prior: float) -> float:
+    """A rate's posterior mean, with ``PRIOR_WEIGHT`` pseudo-tests at ``prior``."""
+    return (accepted + PRIOR_WEIGHT * prior) / (tested + PRIOR_WEIGHT)
+
+
+def chain_tokens(alpha: float, k: int) -> float:
+    """Expected tokens a round of a k-draft chain accepted at ``alpha`` (THEORY.md)."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def tree_bound(alpha: float, shape: DraftShape) -> float:
+    """Tokens a round of a tree, were its levels accepted independently (an upper bound:
+    siblings are correlated)."""
+    b = max(1.0, min(shape.topk, shape.nodes / max(shape.depth, 1)))
+    return chain_tokens(1.0 - (1.0 - alpha) ** b, shape.depth)
+
+
 def ladder(max_depth: int, topk: int, max_nodes: int) -> list[DraftShape]:
     """The candidate shapes: none, every chain up to ``max_depth``, trees of ``topk``."""
     shapes = [DraftShape.chain(k) for k in range(max_depth + 1)]
@@ -67,7 +84,6 @@ class _Step:
 
     counts: Counts
     rooms: Rooms  # the drafts each request's max_tokens leaves room for (a shape is cut to it)
-    alphas: Alphas
     rates: Alphas  # what each class's acceptance is priced at
     behind: dict[SamplingClass, float]  # the catch-up rows each class's drafts are charged
     prompt_rows: int
@@ -82,7 +98,7 @@ class _Standing:
 
     requests: list[Request]
     rows: tuple[int, int]  # prompt rows and plain requests
-    alphas: Alphas
+    rates: Alphas
     shapes: list[DraftShape]
     steps_left: int
 
@@ -97,8 +113,7 @@ def _fitted(
 
 
 class DraftController:
-    """Per step and sampling class, a shape from ``ladder``; within the free KV blocks the
-    scheduler grants what fits."""
+    """Per step and sampling class, a shape from ``ladder`` (the scheduler grants what fits)."""
 
     def __init__(self, shapes: list[DraftShape], kv: KvPrices | None = None) -> None:
         self.shapes = shapes
@@ -130,9 +145,8 @@ class DraftController:
         return lean(acc, tested, overall)
 
     def priced_rate(self, cls: SamplingClass) -> float:
-        """The class's acceptance plus ``OPTIMISM`` standard errors of a rate read from as many
-        tests as it has had: a rate read from a few tests may be low by chance, and drafts
-        priced on it would stop, and with them the tests that would show it."""
+        """The class's acceptance plus ``OPTIMISM`` standard errors: drafts priced on a rate
+        low by chance would stop, and with them the tests that would show it."""
         a = self.class_rate(cls)
         known = self.tested.get(cls, (0.0, 0.0))[1] + PRIOR_WEIGHT
         return min(1.0, a + OPTIMISM * math.sqrt(a * (1 - a) / known))
@@ -157,9 +171,8 @@ class DraftController:
         rooms: Rooms | None = None,
         contexts: dict[SamplingClass, float] | None = None,
     ) -> float | None:
-        """Seconds of a step where each class drafts its shape (cut to each request's room,
-        ``rooms``); ``behind``: the catch-up rows each class's drafts are charged
-        (``_catch_up``); ``contexts``: each class's mean context a request."""
+        """Seconds of a step where each class drafts its shape (cut to its requests' ``rooms``),
+        ``behind`` its drafter's catch-up rows, ``contexts`` its mean cached tokens."""
         fitted = _fitted(counts, plan, rooms)
         rows = prompt_rows + sum(n * (1 + s.nodes) for c in counts for s, n in fitted[c])
         t = self.target.seconds(rows)
@@ -186,12 +199,10 @@ class DraftController:
         """What a plan's passes pay for the cached keys they read: the target's rows of a
         request share one read of its context; each drafter row reads the drafter's view."""
         kv, t = self.kv, 0.0
-        if kv is None:
-            return t
         for c, shapes in fitted.items():
             view = self._view_read(contexts[c])
             for s, n in shapes:
-                if kv.target is not None:
+                if kv is not None and kv.target is not None:
                     t += n * kv.target.seconds(contexts[c], 1 + s.nodes)
                 if s.nodes:  # its first pass, then every node of a depth after the first
                     t += n * view * (1 + s.nodes - min(s.topk, s.nodes))
@@ -232,7 +243,7 @@ class DraftController:
         plan = self._fastest(step, {c: DraftShape() for c in step.counts})
         shapes = [plan[c] for c in classes]
         self._standing = _Standing(
-            list(requests), (prompt_rows, plain), step.alphas, shapes, REUSE_STEPS - 1
+            list(requests), (prompt_rows, plain), step.rates, shapes, REUSE_STEPS - 1
         )
         return shapes
 
@@ -245,7 +256,6 @@ class DraftController:
         return _Step(
             counts={c: len(rs) for c, rs in groups.items()},
             rooms={c: self._rooms(rs) for c, rs in groups.items()},
-            alphas={c: self.class_rate(c) for c in groups},
             rates=rates,
             behind={c: self._catch_up(rs, rates[c]) for c, rs in groups.items()},
             prompt_rows=prompt_rows,
@@ -256,17 +266,16 @@ class DraftController:
     def _as_before(
         self, requests: list[Request], prompt_rows: int, plain: int
     ) -> list[DraftShape] | None:
-        """The shapes handed out last, for the very same requests and prompt rows, for at most
-        ``REUSE_STEPS`` steps while each class's acceptance stays within ``ALPHA_SLACK``: what
-        pricing would mostly find again, at a fraction of its cost. Else None."""
+        """The shapes last handed out, for the very same requests and prompt rows, for at most
+        ``REUSE_STEPS`` steps while each class's acceptance stays within ``ALPHA_SLACK``."""
         s = self._standing
         if s is None or s.steps_left <= 0 or s.rows != (prompt_rows, plain):
             return None
-        if len(s.requests) != len(requests):
+        if len(s.requests) != len(requests) or any(
+            a is not b for a, b in zip(s.requests, requests, strict=True)
+        ):
             return None
-        if any(a is not b for a, b in zip(s.requests, requests, strict=True)):
-            return None
-        if any(abs(self.class_rate(c) - a) > ALPHA_SLACK for c, a in s.alphas.items()):
+        if any(abs(self.priced_rate(c) - a) > ALPHA_SLACK for c, a in s.rates.items()):
             return None
         s.steps_left -= 1
         return s.shapes
@@ -281,11 +290,8 @@ class DraftController:
         return dict(rooms)
 
     def _catch_up(self, requests: list[Request], alpha: float) -> float:
-        """The rows the drafter's first pass reads for ``requests`` before drafting, as a
-        charge on this round: a round's own tokens in full; what the drafter lags beyond them
-        (it does while a request drafts nothing) serves every later round of its request too,
-        so it is spread over the rounds the request has left (at the deepest chain's tokens a
-        round)."""
+        """The drafter's catch-up rows charged to this round: a round's tokens in full, the
+        lag beyond them spread over the rounds each request has left."""
         per_round = chain_tokens(alpha, self.shape.depth)
         charge = 0.0
         for r in requests:
@@ -317,16 +323,11 @@ class DraftController:
         return float("-inf") if seconds is None else tokens - rate * seconds
 
     def _fastest(self, step: _Step, none: Shapes) -> Shapes:
-        """The plan to run: the plan of
-        most tokens a second in the step's requests' decoding, found as Dinkelbach's iteration
-        does (the plan of most value at a rate, then the rate that plan makes, until it stops
-        rising). Its first round prices at what no drafts make, so drafts are made only where
-        they beat decoding without them; the later rounds, at what the drafts chosen make, so
-        a deeper draft is made only if its tokens come as fast as the shorter chain's: one
-        that merely beats no drafts would lower the rate."""
+        """The plan of most tokens a second in the step's decoding (Dinkelbach: the plan of
+        most value at a rate, then the rate it makes, until the rate stops rising), starting
+        at what no drafts make."""
         bare = dataclasses.replace(step, prompt_rows=0, memo={}) if step.prompt_rows else None
-        tokens = sum(step.counts.values()) + step.plain
-        seconds = self.seconds(step.counts, none, step.plain, contexts=step.contexts)
+        tokens, seconds = self._estimate(bare or step, none)
         rate = tokens / (seconds or 1.0)
         plan = none
         for _ in range(RATE_ROUNDS):
@@ -338,12 +339,8 @@ class DraftController:
         return plan
 
     def _best(self, step: _Step, bare: _Step | None, rate: float, plan: Shapes) -> Shapes:
-        """The plan of most value at ``rate``; ``plan`` drafts nothing, ``bare`` is the step
-        without its prompts (None: it has none). Drafts must beat no drafts by a margin: where
-        they barely pay, the model's errors would decide, and a wrong draft costs more than a
-        wrong abstention. In a step carrying prompts they must also pay without them: the
-        drafter's catch-up they start pays only if the requests go on drafting in the steps
-        that follow, which carry fewer prompts."""
+        """The plan of most value at ``rate``, by ``MARGIN`` over ``plan`` (no drafts) and, in
+        a step carrying prompts, also in ``bare`` (the step without them)."""
         n = sum(step.counts.values())
         best = self._value(step, plan, rate) + MARGIN * n
         floor = 0.0 if bare is None else self._value(bare, plan, rate) + MARGIN * n
@@ -370,7 +367,6 @@ class DraftController:
             if r is None or not r.num_proposed:
                 continue
             drafted += 1
-            shape = sr.shape
             cls = self._class_of.get(sr.request_id)
             if cls is None:
                 continue
@@ -378,10 +374,9 @@ class DraftController:
             counts = self.tested.setdefault(cls, [0.0, 0.0])
             counts[0] += r.num_accepted
             counts[1] += r.num_accepted + rejected
-            if not shape.is_chain:
-                y = self.yields.setdefault((cls, shape), [0.0, 0.0])
-                y[0] += r.num_accepted + 1
-                y[1] += 1
+            if not sr.shape.is_chain:
+                y = self.yields.setdefault((cls, sr.shape), [0.0, 0.0])
+                y[0], y[1] = y[0] + r.num_accepted + 1, y[1] + 1
         if self._served:  # the same requests on a standing choice: one step in a few timed
             self._untimed = (self._untimed + 1) % STANDING_TIMING
             if self._untimed:
@@ -391,8 +386,8 @@ class DraftController:
     def time_step(
         self, plan: SchedulerOutput, result: StepResult, seconds: float, drafted: bool
     ) -> None:
-        """Price the passes a step ran and the rest of its ``seconds``; ``drafted``: whether
-        any request of it drafted. The row prices learn each pass less its cache reads."""
+        """Price the passes a step ran (less their cache reads) and the rest of its
+        ``seconds``."""
         target_kv, draft_row = self._kv_of(plan)
         passes = 0.0
         target_rows = 0
@@ -409,7 +404,7 @@ class DraftController:
 
     def _kv_of(self, plan: SchedulerOutput) -> tuple[float, float]:
         """The seconds ``plan``'s target pass spent reading its decoding requests' caches, and
-        those each of its drafter's rows spent (the mean over its drafting requests)."""
+        one drafter row's (the mean over its drafting requests)."""
         if self.kv is None:
             return 0.0, 0.0
         target, views = 0.0, []

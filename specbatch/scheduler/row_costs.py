@@ -1,23 +1,13 @@
 """What one model pass costs on this machine as a function of its rows, as measured.
 
-The worker times every pass it runs (the target's, each drafter pass) with its row count. A
-pass's log-seconds is read as a level, shared by every row count and following the machine's
-speed (which drifts by tens of percent within minutes on a shared host), plus an offset per
-row bucket: so a bucket measured a minute ago still compares fairly with one measured now.
-Other work on the machine only ever adds time to a pass, so the level moves fast towards a
-pass faster than it expects and slowly towards a slower one: it follows the machine's speed,
-not its interruptions. A settled bucket's passes move the level only, so a machine that slows
-while one row count runs prices every row count slower, not that one dearer.
-
-A curve's first pass is not taken (it pays what a first call pays: buffers allocated, code
-paths warmed). A bucket's offset starts as the least of its first few passes (any one of them
-may have been interrupted), the first capped at what its rows would cost in proportion to the
-nearest smaller bucket's, and at the nearest larger bucket's. Between measured buckets a pass
-is priced on the line joining them (in log rows and log seconds); below them in proportion to
-the rows; beyond them on the slope of the last two (between flat and proportional; flat with
-one, a guess the next such pass corrects); and never below what fewer rows cost: rows added
-inside a bucket cost their share of the slope, so a plan does not gain rows free by staying
-inside one.
+A pass's log-seconds is a level shared by every row count (the machine's speed, which drifts by
+tens of percent within minutes on a shared host) plus an offset per row bucket. Other work only
+adds time, so the level moves fast towards a faster pass than expected and slowly towards a
+slower one. A bucket's offset is the least of its first ``SETTLE`` passes (capped by its
+neighbours'); later passes move the level only. A curve's first pass (buffers allocated, code
+warmed) is left out. Between measured buckets the price is interpolated in log rows and log
+seconds, below them in proportion to the rows, beyond them on the last two's slope (between
+flat and proportional), and never below what fewer rows cost.
 """
 
 from __future__ import annotations

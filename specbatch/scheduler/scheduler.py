@@ -24,6 +24,7 @@ from specbatch.draft_shape import DraftShape
 from specbatch.kv_cache.kv_cache_manager import KVCacheManager
 from specbatch.request import FinishReason, Request, RequestStatus
 from specbatch.scheduler.drafter_lag import DrafterLag, is_prompt_chunk
+from specbatch.scheduler.drafter_sleep import DrafterSleep
 from specbatch.scheduler.output import (
     NewRequestData,
     ScheduledRequest,
@@ -83,6 +84,7 @@ class Scheduler:
         self._fork_of: dict[str, str] = {}  # a waiting fork -> the request it shares blocks of
         self._sampled_once: set[str] = set()  # fork sources that sampled once, not yet ready
         self.lag = DrafterLag(kv_cache, self.draft_input)
+        self.sleep = DrafterSleep(self.draft_input)
         self.prefix = PrefixSharing(kv_cache, self.draft_input) if kv_cache.caching else None
         self.num_preemptions = 0
 
@@ -249,7 +251,7 @@ class Scheduler:
         """Drafts for decoding requests, within length limits, budget and free blocks."""
         if not self.speculative:
             return {}
-        self.lag.tick(len(self.running))
+        self.sleep.tick(len(self.running))
         decoding = [r for r, n in chosen if n == 1 and r.num_computed + 1 == r.num_tokens]
         plain = sum(r.drafter_off for r in decoding)
         decoding = [r for r in decoding if not r.drafter_off]
@@ -257,7 +259,8 @@ class Scheduler:
             return {}
         shapes: dict[str, DraftShape] = {}
         wants = self.policy.draft_shapes(decoding, self._prompt_rows(chosen, budget), plain)
-        self.lag.wanted(any(w.nodes for w in wants), len(decoding), self.running)
+        self.lag.wanted(any(w.nodes for w in wants), len(decoding))
+        self.sleep.wanted(any(w.nodes for w in wants), self.running)
         for req, want in zip(decoding, wants, strict=True):
             room_len = self.limits.max_model_len - req.num_tokens
             room_out = req.max_output_tokens - len(req.output_token_ids) - 1
@@ -316,7 +319,7 @@ class Scheduler:
                 self.prefix.admitted(req, copy)
             self._fork_of.pop(req.request_id, None)
             req.status = RequestStatus.RUNNING
-            self.lag.admitted(req)
+            self.sleep.admitted(req)
             self.running.append(req)
             chosen.append((req, n))
             budget -= n

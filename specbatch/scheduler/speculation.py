@@ -17,9 +17,8 @@ class SpeculationPolicy(Protocol):
     def draft_shapes(
         self, requests: list[Request], prompt_rows: int = 0, plain: int = 0
     ) -> list[DraftShape]:
-        """The drafts each decoding request would like this step (none allowed), in a step
-        whose target pass also carries about ``prompt_rows`` rows of prompts and ``plain``
-        requests decoding without a drafter (a row and a token each)."""
+        """The drafts each decoding request would like this step, in a step that also carries
+        about ``prompt_rows`` rows of prompts and ``plain`` requests decoding undrafted."""
         ...
 
     def observe(self, plan: SchedulerOutput, result: StepResult, seconds: float) -> None:
@@ -28,8 +27,7 @@ class SpeculationPolicy(Protocol):
 
 
 class FixedDraft:
-    """Every decoding request drafts the same shape (a chain of ``k``; 0 turns speculation
-    off)."""
+    """Every decoding request drafts the same shape (a chain of ``k``; 0: none)."""
 
     def __init__(self, shape: DraftShape | int) -> None:
         self.shape = shape if isinstance(shape, DraftShape) else DraftShape.chain(shape)
