@@ -11,8 +11,9 @@
  * and scales the block's sum in registers: acc = fma(d, block sum, acc), and for Q4_1
  * acc = fma(m, sum of x over the block, acc). So the outputs are the dequantized weights'
  * products in float arithmetic, and each unpacked pair serves every row of the tile (up to
- * eight rows: a verifying step's k + 1 rows unpack each block once). Every output is summed
- * in one order whatever M, the tile or the row's place in x. */
+ * eight rows on AVX-512); on the dot product, more rows than a tile read each panel unpacked
+ * once into a scratch, so a step's rows unpack each block once whatever their number. Every
+ * output is summed in one order whatever M, the tile or the row's place in x. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -124,7 +125,8 @@ SB_INLINE __m512i pairs_bf16(const int type, const uint8_t* blk, int c, __m512i 
 SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, int mr, int np,
                      const uint8_t* q, const uint16_t* d, const uint16_t* mins, int nb,
                      const void* x, long ldx, const float* xsum, int n_left, const void* bias,
-                     const int bias_bf16, void* y, long ldy, const int y_bf16) {
+                     const int bias_bf16, void* y, long ldy, const int y_bf16,
+                     const uint16_t* unpacked) {
     vf acc[TM_MAX][NP_MAX];
     for (int m = 0; m < TM; m++)
         for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
@@ -146,8 +148,14 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
             for (int c = 0; c < steps; c++) {
                 for (int j = 0; j < NP; j++) {
                     if (j >= np) break;
-                    __m512i wb = _mm512_setzero_si512();
-                    __m512i wa = pairs_bf16(type, q + j * pq + b * block_bytes(type), c, table, &wb);
+                    __m512i wa, wb = _mm512_setzero_si512();
+                    if (unpacked) { /* one panel's pairs, unpacked before (unpack_panel) */
+                        const uint16_t* u = unpacked + ((long)b * 16 + (type == Q8_0 ? c : 2 * c)) * 32;
+                        wa = _mm512_loadu_si512(u);
+                        if (type != Q8_0) wb = _mm512_loadu_si512(u + 32);
+                    } else {
+                        wa = pairs_bf16(type, q + j * pq + b * block_bytes(type), c, table, &wb);
+                    }
                     const int ka = k0 + (type == Q8_0 ? 2 * c : 4 * c);
                     for (int m = 0; m < TM; m++) {
                         if (m >= mr) break;
@@ -215,7 +223,7 @@ SB_INLINE void tile_for(int tm, const int type, const int dot, int mr, int np, c
                         const float* xsum, int n_left, const void* bias, int bias_bf16, void* y,
                         long ldy, int y_bf16) {
 #define T(TM_, NP_, YB) \
-    qtile(TM_, NP_, type, dot, mr, np, q, d, mins, nb, x, ldx, xsum, n_left, bias, bias_bf16, y, ldy, YB)
+    qtile(TM_, NP_, type, dot, mr, np, q, d, mins, nb, x, ldx, xsum, n_left, bias, bias_bf16, y, ldy, YB, 0)
 #define BY_Y(TM_, NP_)     \
     if (y_bf16)            \
         T(TM_, NP_, 1);    \
@@ -231,6 +239,70 @@ SB_INLINE void tile_for(int tm, const int type, const int dot, int mr, int np, c
 #undef BY_Y
 #undef T
 }
+
+#if DOT
+/* A panel's pairs as bfloat16, block after block ([nb][16 pairs][32 words]), for many rows. */
+static void unpack_panel(const int type, const uint8_t* q, int nb, uint16_t* out) {
+    __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (type == Q4_0) base = _mm512_sub_ps(base, _mm512_set1_ps(8.0f));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(base, base);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* blk = q + b * block_bytes(type);
+        uint16_t* o = out + (long)b * 16 * 32;
+        if (type == Q8_0) {
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(o + c * 32, pairs_bf16(type, blk, c, table, 0));
+        } else {
+            for (int c = 0; c < 8; c++) {
+                __m512i wb;
+                _mm512_storeu_si512(o + 2 * c * 32, pairs_bf16(type, blk, c, table, &wb));
+                _mm512_storeu_si512(o + (2 * c + 1) * 32, wb);
+            }
+        }
+    }
+}
+
+static __thread uint16_t* u_buf = 0;
+static __thread long u_cap = 0;
+
+/* More rows than a tile: each panel unpacked once into a scratch that stays in L1 or L2, then
+ * every tile of rows reads it: the same words, so the same sums, as the tiles unpacking in
+ * registers. */
+static void many_rows(int M, int n_rows, int nb, int type, const uint8_t* q, const uint16_t* d,
+                      const uint16_t* mins, const uint16_t* x, long ldx, const float* xsum,
+                      const void* bias, void* y, long ldy, int y_bf16) {
+    const int npanel = (n_rows + NR - 1) / NR, esz_y = y_bf16 ? 2 : 4;
+    const long pq = (long)nb * block_bytes(type), pd = (long)nb * NR;
+    const int par = omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(static) if (par)
+    for (int p = 0; p < npanel; p++) {
+        if ((long)nb * 16 * 32 > u_cap) {
+            free(u_buf);
+            u_cap = (long)nb * 16 * 32;
+            u_buf = (uint16_t*)aligned_alloc(64, (size_t)u_cap * 2);
+            if (!u_buf) abort();
+        }
+        unpack_panel(type, q + p * pq, nb, u_buf);
+        const int tiles = (M + TM_MAX - 1) / TM_MAX, rows = (M + tiles - 1) / tiles;
+        for (int m = 0; m < M; m += rows) { /* even tiles: a lone row would wait on its sums */
+            int mr = M - m < rows ? M - m : rows;
+            const uint16_t* xm = x + (long)m * ldx;
+            char* ym = (char*)y + ((long)m * ldy + (long)p * NR) * esz_y;
+            const char* bp = bias ? (const char*)bias + (long)p * NR * 2 : 0;
+            const uint16_t* mp = mins ? mins + p * pd : 0;
+            const float* xs = xsum ? xsum + (long)m * nb : 0;
+#define U(t, yb) qtile(TM_MAX, 1, t, 1, mr, 1, q + p * pq, d + p * pd, mp, nb, xm, ldx, xs, \
+                       n_rows - p * NR, bp, 1, ym, ldy, yb, u_buf)
+            if (type == Q4_0)
+                y_bf16 ? U(Q4_0, 1) : U(Q4_0, 0);
+            else if (type == Q4_1)
+                y_bf16 ? U(Q4_1, 1) : U(Q4_1, 0);
+            else
+                y_bf16 ? U(Q8_0, 1) : U(Q8_0, 0);
+#undef U
+        }
+    }
+}
+#endif
 
 static __thread float* xs_buf = 0;
 static __thread long xs_cap = 0;
@@ -273,6 +345,13 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
                 xsum[(long)m * nb + b] = vf_sum(s);
             }
     }
+#if DOT
+    if (dot && M > TM_MAX) {
+        many_rows(M, n_rows, nb, type, q, d, mins, (const uint16_t*)x, ldx, xsum, bias, y, ldy,
+                  y_bf16);
+        return;
+    }
+#endif
     const int tm = M == 1 ? 1 : M == 2 ? 2 : TM_MAX, tp = panels_of(tm);
     const int ngroup = (npanel + tp - 1) / tp;
     const long pq = (long)nb * block_bytes(type), pd = (long)nb * NR;
