@@ -126,3 +126,35 @@ def test_speculative_sampling_keeps_the_quantized_targets_law(
     spec = llm.engine.metrics.spec
     assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98
     assert_matches([tuple(o.outputs[0].token_ids[:3]) for o in outs], exact)
+
+
+@pytest.mark.parametrize("case", ["q4_1-tied", "q4_k-mixed"])
+def test_tensor_parallel_ranks_keep_their_shares_of_the_blocks(
+    gguf_file: Callable[[str], Path], case: str
+) -> None:
+    """Each rank of two multiplies its rows (column-parallel) or its columns (row-parallel,
+    whole blocks, else dequantized): the ranks' outputs joined equal one rank's."""
+    from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+    from specbatch.model.loader import load_model
+
+    file = gguf_file(case)
+    ranks = [load_model(file, torch.float32, "cpu", TensorParallelGroup(r, 2)) for r in (0, 1)]
+    whole = load_model(file, torch.float32, "cpu", SINGLE)
+    layers = [dict(m.named_modules()) for m in (whole, *ranks)]
+    torch.manual_seed(0)
+    for name, layer in layers[0].items():
+        if not hasattr(layer, "matmul"):  # the linear layers (not the LM head)
+            continue
+        parts = [lay[name] for lay in layers[1:]]
+        k = parts[0].input_size_local if hasattr(parts[0], "input_size_local") else None
+        x = torch.randn(3, layer.input_size)
+        want = layer.matmul(x, None)
+        if k is None:  # column-parallel: each rank its share of every fused part's features
+            outs = [p.matmul(x, None).split(p.local_sizes, dim=1) for p in parts]
+            got = torch.cat([o[i] for i in range(len(parts[0].local_sizes)) for o in outs], 1)
+            assert all(p.quant is not None for p in parts), name
+        else:  # row-parallel: each rank its input features, summed (K-quants' 256-value
+            # blocks do not split into 128 columns: dequantized)
+            assert all((p.quant is not None) == (case == "q4_1-tied") for p in parts), name
+            got = sum(p.matmul(x[:, r * k : (r + 1) * k], None) for r, p in enumerate(parts))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ the kept parts are dequantized into the weight then.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,8 @@ from specbatch.model.layers.weights import (
     set_weight_loader,
     take,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -78,7 +81,15 @@ class PackableLinear(nn.Module):
             blocks = blocks[rows[0] : rows[0] + rows[1]]
         if cols is not None:
             if cols[0] % block or cols[1] % block:
-                return  # this rank's columns split blocks: dequantized
+                logger.info(
+                    "a %s matrix loads dequantized: this rank's columns %d..%d split its "
+                    "%d-value blocks",
+                    KEPT_TYPES[kind][0],
+                    cols[0],
+                    cols[0] + cols[1],
+                    block,
+                )
+                return
             b0, nb = cols[0] // block, cols[1] // block
             blocks, k = blocks[:, b0 * block_bytes : (b0 + nb) * block_bytes], cols[1]
         if self._kept is None:
