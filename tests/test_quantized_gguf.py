@@ -153,8 +153,9 @@ def test_tensor_parallel_ranks_keep_their_shares_of_the_blocks(
             outs = [p.matmul(x, None).split(p.local_sizes, dim=1) for p in parts]
             got = torch.cat([o[i] for i in range(len(parts[0].local_sizes)) for o in outs], 1)
             assert all(p.quant is not None for p in parts), name
-        else:  # row-parallel: each rank its input features, summed (K-quants' 256-value
-            # blocks do not split into 128 columns: dequantized)
-            assert all((p.quant is not None) == (case == "q4_1-tied") for p in parts), name
+        else:  # row-parallel: each rank its input features, summed (a share that splits a
+            # block, as 128 columns of a K-quant's 256-value blocks, is dequantized)
+            block = 32 if case == "q4_1-tied" else 256
+            assert all((p.quant is not None) == (k % block == 0) for p in parts), name
             got = sum(p.matmul(x[:, r * k : (r + 1) * k], None) for r, p in enumerate(parts))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
