@@ -83,7 +83,3 @@ def grouped_experts(
             start += n
     return out
 
-
-def experts_woken(ids: torch.Tensor, num_experts: int) -> int:
-    """How many distinct experts a step's rows chose."""
-    return int((torch.bincount(ids.reshape(-1), minlength=num_experts) > 0).sum())
