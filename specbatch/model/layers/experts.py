@@ -82,4 +82,3 @@ def grouped_experts(
             out.index_add_(0, rows[start : start + n], y.float() * scale[start : start + n])
             start += n
     return out
-
