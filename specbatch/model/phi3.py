@@ -147,7 +147,9 @@ def phi3_gguf_fields(reader: Any, file: Any, head_dim: int, rope_theta: float) -
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta,
                             "partial_rotary_factor": dims / head_dim}  # fmt: skip
     window = field("attention.sliding_window", (int,)) or None
-    fields: dict[str, Any] = {"partial_rotary_factor": dims / head_dim, "sliding_window": window}
+    pad = reader.fields.get("tokenizer.ggml.padding_token_id")  # Phi3Config's default: 32000
+    fields: dict[str, Any] = {"partial_rotary_factor": dims / head_dim, "sliding_window": window,
+                              "pad_token_id": pad if isinstance(pad, int) else None}  # fmt: skip
     factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
     if factors:
         for kind in ("long", "short"):
