@@ -3,7 +3,7 @@
 The weight ``[N, K]`` is one or more segments of whole output rows, each rows of ggml blocks of
 one type (a fused projection such as ``[q; k; v]`` may hold parts of different types). The
 kernel's descriptor lists them: the number of segments, then per segment its ggml type, rows,
-first output feature and the addresses of its quants, scales and minimums (0: none).
+first output feature and the address of its bytes (and two fields left 0).
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ _PANELED = {2: (2, 0), 3: (4, 2), 8: (2, 0)}  # kind -> (offset of the quants, o
 class QuantizedRows:
     """Rows of a matrix as ggml blocks of one type, as the kernel reads them: the K-quants'
     blocks as the file stores them (``q`` uint8 ``[rows, bytes]``); Q4_0, Q4_1 and Q8_0 in
-    panels of 16 rows (``csrc/gemm_qpanel.c``): ``q`` uint8 ``[panels, blocks, bytes]``, the
-    scales ``d`` and Q4_1's minimums ``m`` float16 ``[panels, blocks, 16]``."""
+    panels of 16 rows (``csrc/gemm_qpanel.c``): ``q`` uint8 ``[panels, blocks, bytes]``, each
+    block's quants followed by its 16 float16 scales (and Q4_1's 16 minimums)."""
 
     kind: int
     q: torch.Tensor
-    d: torch.Tensor | None
-    m: torch.Tensor | None
     in_features: int
     rows: int
 
@@ -52,15 +50,15 @@ class QuantizedRows:
                 f"({block_bytes} bytes), got {blocks.shape[1]} bytes"
             )
         if kind not in _PANELED:
-            return QuantizedRows(kind, blocks.contiguous(), None, None, in_features, rows)
+            return QuantizedRows(kind, blocks.contiguous(), in_features, rows)
         start, at_min = _PANELED[kind]
         nb, pad = in_features // block, -rows % PANEL
         b = torch.nn.functional.pad(blocks.reshape(rows, nb, block_bytes), (0, 0, 0, 0, 0, pad))
         npanel = (rows + pad) // PANEL
 
-        def halves(at: int) -> torch.Tensor:  # [panels, blocks, 16]
-            h = b[:, :, at : at + 2].contiguous().view(torch.float16).reshape(npanel, PANEL, nb)
-            return h.permute(0, 2, 1).contiguous()
+        def halves(at: int) -> torch.Tensor:  # each block's 16 as bytes [panels, blocks, 32]
+            h = b[:, :, at : at + 2].reshape(npanel, PANEL, nb, 2)
+            return h.permute(0, 2, 1, 3).reshape(npanel, nb, 2 * PANEL)
 
         quants = b[:, :, start:]
         if kind == 8:  # pair i of a block: 32 bytes, output o's values 2i, 2i + 1 at 2o, 2o + 1
@@ -71,8 +69,8 @@ class QuantizedRows:
             # chunk c: pair 2c (values 4c, 4c + 1) low, pair 2c + 1 (4c + 2, 4c + 3) high
             v = nib.reshape(npanel, PANEL, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
             q = (v[..., 0] | (v[..., 1] << 4)).reshape(npanel, nb, 256)
-        return QuantizedRows(kind, q.contiguous(), halves(0), halves(at_min) if at_min else None,
-                             in_features, rows)  # fmt: skip
+        parts = [q, halves(0), *([halves(at_min)] if at_min else [])]
+        return QuantizedRows(kind, torch.cat(parts, dim=2).contiguous(), in_features, rows)
 
     @property
     def type_name(self) -> str:
@@ -80,12 +78,11 @@ class QuantizedRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+        return self.q.numel()
 
     def fields(self, first: int) -> list[int]:
         """The kernel's descriptor of these rows, output features from ``first`` on."""
-        ptrs = [0 if t is None else t.data_ptr() for t in (self.q, self.d, self.m)]
-        return [self.kind, self.rows, first, *ptrs]
+        return [self.kind, self.rows, first, self.q.data_ptr(), 0, 0]
 
 
 @dataclass(eq=False)

@@ -2,9 +2,10 @@
  *
  * A panel holds, block after block (32 values of k), the block's quants of its 16 outputs laid
  * out as pairs along k: the 32-bit lane o of pair (k, k + 1) holds output o's two quants
- * (quantized.py: QuantizedRows.panels). Q4 blocks take 256 bytes, chunk c (32 bytes) holding
- * pair 2c in its low nibbles and pair 2c + 1 in its high ones; Q8_0 blocks 512 bytes, a pair
- * per 32 bytes. Each block's 16 scales d (and Q4_1's minimums m) are float16 rows of their own.
+ * (quantized.py: QuantizedRows). Q4 quants take 256 bytes, chunk c (32 bytes) holding pair 2c
+ * in its low nibbles and pair 2c + 1 in its high ones; Q8_0's 512 bytes, a pair per 32 bytes.
+ * The block's 16 scales d (and Q4_1's 16 minimums m) follow its quants, float16, so that a
+ * panel is read in one stream.
  *
  * A tile of rows x panels sums each block apart, q x over the block's pairs (the quants as
  * exact bfloat16 integers on the BF16 dot product, or widened to float32 against x in float32),
@@ -24,6 +25,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 #define NR 16
 
 SB_INLINE long block_bytes(int type) { return type == Q8_0 ? 512 : 256; }
+/* a panel's block: its quants, then its 16 scales d and (Q4_1) 16 minimums, float16 */
+SB_INLINE long stride_of(int type) { return block_bytes(type) + (type == Q4_1 ? 64 : 32); }
 
 /* ---- 16 lanes of int32 from 16 16-bit words --------------------------------------------- */
 #if SB_WIDE
@@ -126,17 +129,23 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
                      const uint8_t* q, const uint16_t* d, const uint16_t* mins, int nb,
                      const void* x, long ldx, const float* xsum, int n_left, const void* bias,
                      const int bias_bf16, void* y, long ldy, const int y_bf16,
-                     const uint16_t* unpacked) {
+                     const uint16_t* unpacked, int pf_left) {
     vf acc[TM_MAX][NP_MAX];
     for (int m = 0; m < TM; m++)
         for (int j = 0; j < NP; j++) acc[m][j] = vf_zero();
-    const long pq = (long)nb * block_bytes(type), pd = (long)nb * NR;
+    const long pq = (long)nb * stride_of(type), pd = pq / 2, hb = stride_of(type) / 2;
 #if DOT
     __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (type == Q4_0) base = _mm512_sub_ps(base, _mm512_set1_ps(8.0f));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(base, base);
 #endif
     for (int b = 0; b < nb; b++) {
+        if (pf_left > 0) /* the next group's panels, block for block (gemm.c's way) */
+            for (int j = 0; j < NP; j++) {
+                if (j >= pf_left) break;
+                const char* f = (const char*)(q + (NP + j) * pq + (long)b * stride_of(type));
+                for (int l = 0; l < stride_of(type); l += 64) _mm_prefetch(f + l, _MM_HINT_T0);
+            }
         vf blk[TM_MAX][NP_MAX];
         for (int m = 0; m < TM; m++)
             for (int j = 0; j < NP; j++) blk[m][j] = vf_zero();
@@ -154,7 +163,7 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
                         wa = _mm512_loadu_si512(u);
                         if (type != Q8_0) wb = _mm512_loadu_si512(u + 32);
                     } else {
-                        wa = pairs_bf16(type, q + j * pq + b * block_bytes(type), c, table, &wb);
+                        wa = pairs_bf16(type, q + j * pq + b * stride_of(type), c, table, &wb);
                     }
                     const int ka = k0 + (type == Q8_0 ? 2 * c : 4 * c);
                     for (int m = 0; m < TM; m++) {
@@ -182,7 +191,7 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
                 for (int j = 0; j < NP; j++) {
                     if (j >= np) break;
                     vf e, o;
-                    pair_f32(type, q + j * pq + b * block_bytes(type), i, &e, &o);
+                    pair_f32(type, q + j * pq + b * stride_of(type), i, &e, &o);
                     for (int m = 0; m < TM; m++) {
                         if (m >= mr) break;
                         const float* xr = xf + m * ldx + ka;
@@ -193,8 +202,8 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
         }
         for (int j = 0; j < NP; j++) {
             if (j >= np) break;
-            vf dj = halves16(d + j * pd + (long)b * NR);
-            vf mj = type == Q4_1 ? halves16(mins + j * pd + (long)b * NR) : vf_zero();
+            vf dj = halves16(d + j * pd + (long)b * hb);
+            vf mj = type == Q4_1 ? halves16(mins + j * pd + (long)b * hb) : vf_zero();
             for (int m = 0; m < TM; m++) {
                 if (m >= mr) break;
                 acc[m][j] = vf_fma(dj, blk[m][j], acc[m][j]);
@@ -221,9 +230,9 @@ SB_INLINE int panels_of(int tm) { return tm == 1 ? NP_MAX : tm == 2 ? NP_2 : 1; 
 SB_INLINE void tile_for(int tm, const int type, const int dot, int mr, int np, const uint8_t* q,
                         const uint16_t* d, const uint16_t* mins, int nb, const void* x, long ldx,
                         const float* xsum, int n_left, const void* bias, int bias_bf16, void* y,
-                        long ldy, int y_bf16) {
+                        long ldy, int y_bf16, int pf_left) {
 #define T(TM_, NP_, YB) \
-    qtile(TM_, NP_, type, dot, mr, np, q, d, mins, nb, x, ldx, xsum, n_left, bias, bias_bf16, y, ldy, YB, 0)
+    qtile(TM_, NP_, type, dot, mr, np, q, d, mins, nb, x, ldx, xsum, n_left, bias, bias_bf16, y, ldy, YB, 0, pf_left)
 #define BY_Y(TM_, NP_)     \
     if (y_bf16)            \
         T(TM_, NP_, 1);    \
@@ -247,7 +256,7 @@ static void unpack_panel(const int type, const uint8_t* q, int nb, uint16_t* out
     if (type == Q4_0) base = _mm512_sub_ps(base, _mm512_set1_ps(8.0f));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(base, base);
     for (int b = 0; b < nb; b++) {
-        const uint8_t* blk = q + b * block_bytes(type);
+        const uint8_t* blk = q + b * stride_of(type);
         uint16_t* o = out + (long)b * 16 * 32;
         if (type == Q8_0) {
             for (int c = 0; c < 16; c++) _mm512_storeu_si512(o + c * 32, pairs_bf16(type, blk, c, table, 0));
@@ -271,7 +280,7 @@ static void many_rows(int M, int n_rows, int nb, int type, const uint8_t* q, con
                       const uint16_t* mins, const uint16_t* x, long ldx, const float* xsum,
                       const void* bias, void* y, long ldy, int y_bf16) {
     const int npanel = (n_rows + NR - 1) / NR, esz_y = y_bf16 ? 2 : 4;
-    const long pq = (long)nb * block_bytes(type), pd = (long)nb * NR;
+    const long pq = (long)nb * stride_of(type), pd = pq / 2;
     const int par = omp_get_max_threads() > 1;
 #pragma omp parallel for schedule(static) if (par)
     for (int p = 0; p < npanel; p++) {
@@ -291,7 +300,7 @@ static void many_rows(int M, int n_rows, int nb, int type, const uint8_t* q, con
             const uint16_t* mp = mins ? mins + p * pd : 0;
             const float* xs = xsum ? xsum + (long)m * nb : 0;
 #define U(t, yb) qtile(TM_MAX, 1, t, 1, mr, 1, q + p * pq, d + p * pd, mp, nb, xm, ldx, xs, \
-                       n_rows - p * NR, bp, 1, ym, ldy, yb, u_buf)
+                       n_rows - p * NR, bp, 1, ym, ldy, yb, u_buf, 0)
             if (type == Q4_0)
                 y_bf16 ? U(Q4_0, 1) : U(Q4_0, 0);
             else if (type == Q4_1)
@@ -320,10 +329,11 @@ static float* grow(float** buf, long* cap, long need) {
 }
 
 /* One segment: rows (a multiple of 16 in the panels, n_rows real) of one type. */
-void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, const uint16_t* d,
-                      const uint16_t* mins, const void* x, long ldx, int x_bf16,
-                      const void* bias, void* y, long ldy, int y_bf16) {
+void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, const void* x,
+                      long ldx, int x_bf16, const void* bias, void* y, long ldy, int y_bf16) {
     const int nb = K / 32, npanel = (n_rows + NR - 1) / NR;
+    const uint16_t* d = (const uint16_t*)(q + block_bytes(type));
+    const uint16_t* mins = type == Q4_1 ? d + NR : 0;
     const int dot = DOT && x_bf16;
     const void* xk = x;
     long ldk = ldx;
@@ -354,7 +364,7 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
 #endif
     const int tm = M == 1 ? 1 : M == 2 ? 2 : TM_MAX, tp = panels_of(tm);
     const int ngroup = (npanel + tp - 1) / tp;
-    const long pq = (long)nb * block_bytes(type), pd = (long)nb * NR;
+    const long pq = (long)nb * stride_of(type), pd = pq / 2;
     const int esz_y = y_bf16 ? 2 : 4, esz_b = x_bf16 ? 2 : 4;
     const int par = omp_get_max_threads() > 1 && (double)M * n_rows * K > 2e5;
 #pragma omp parallel for schedule(static) if (par)
@@ -367,8 +377,9 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
             const char* bp = bias ? (const char*)bias + (long)p * NR * esz_b : 0;
             const uint16_t* mp = mins ? mins + p * pd : 0;
             const float* xs = xsum ? xsum + (long)m * nb : 0;
+            int pf_left = m == 0 ? npanel - p - tp : 0; /* the first tile prefetches */
 #define CALL(t) tile_for(tm, t, dot, mr, np, q + p * pq, d + p * pd, mp, nb, xm, ldk, xs, \
-                         n_rows - p * NR, bp, x_bf16, ym, ldy, y_bf16)
+                         n_rows - p * NR, bp, x_bf16, ym, ldy, y_bf16, pf_left)
             if (type == Q4_0)
                 CALL(Q4_0);
             else if (type == Q4_1)

@@ -337,9 +337,8 @@ int sb_linear_quant(int M, int N, int K, const void* x, long ldx, int x_bf16,
         const void* bs = bias ? (const char*)bias + n0 * esz : 0;
         void* ys = (char*)y + n0 * esz_y;
         if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
-            sb_linear_qpanel(M, rows, K, type, (const uint8_t*)(intptr_t)f[3],
-                             (const uint16_t*)(intptr_t)f[4], (const uint16_t*)(intptr_t)f[5], x,
-                             ldx, x_bf16, bs, ys, ldy, y_bf16);
+            sb_linear_qpanel(M, rows, K, type, (const uint8_t*)(intptr_t)f[3], x, ldx, x_bf16, bs,
+                             ys, ldy, y_bf16);
             continue;
         }
         if (!xk) {

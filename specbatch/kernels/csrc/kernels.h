@@ -30,9 +30,8 @@ int sb_linear_quant(int M, int N, int K, const void* x, long ldx, int x_bf16,
                     const int64_t* qdesc, const void* bias, void* y, long ldy, int y_f32);
 void sb_quant_unpack(const int64_t* seg, int K, void* out, int bf16);
 /* gemm_qpanel.c: one segment of Q4_0, Q4_1 or Q8_0 rows in panels (gemm_qpanel.c says how) */
-void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, const uint16_t* d,
-                      const uint16_t* mins, const void* x, long ldx, int x_bf16,
-                      const void* bias, void* y, long ldy, int y_bf16);
+void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, const void* x,
+                      long ldx, int x_bf16, const void* bias, void* y, long ldy, int y_bf16);
 
 /* gemm_amx.c */
 int sb_amx_available(void);
