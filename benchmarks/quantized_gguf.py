@@ -30,14 +30,16 @@ _LLAMA_CPP = """
 import json, sys, time
 from llama_cpp import Llama
 model, threads, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-prompts = json.loads(sys.stdin.read())
+prompts, eos = json.loads(sys.stdin.read())
+no_eos = {int(t): -1e9 for t in eos}  # every answer max_tokens long, as ignore_eos
 llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
             n_batch=512, verbose=False)
 llm.create_completion(prompts[0], max_tokens=8, temperature=0.0)  # warm-up
 out = []
 for p in prompts:
     t, c = time.perf_counter(), time.process_time()
-    r = llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, top_k=1)
+    r = llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, top_k=1,
+                              logit_bias=no_eos)
     n = r["usage"]["completion_tokens"]
     out.append((time.perf_counter() - t, time.process_time() - c, n))
 print(json.dumps(out))
@@ -68,10 +70,12 @@ def rss_mb(model: str, quantized: bool) -> int:
     return int(out.stdout.split()[-1])
 
 
-def llama_cpp(python: str, model: str, threads: int, prompts: list[list[int]], n: int) -> Any:
+def llama_cpp(
+    python: str, model: str, threads: int, prompts: list[list[int]], eos: list[int], n: int
+) -> Any:
     try:
         out = subprocess.run([python, "-c", _LLAMA_CPP, model, str(threads), str(n)],
-                             input=json.dumps(prompts), capture_output=True, text=True,
+                             input=json.dumps([prompts, eos]), capture_output=True, text=True,
                              check=True, timeout=3600)  # fmt: skip
     except (OSError, subprocess.SubprocessError) as e:
         return f"did not run: {e}"
@@ -98,24 +102,31 @@ def main() -> None:
     convs = conversations()
     texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    workloads = {  # chat prompts (long, answers quoting them) and a short prompt (decoding)
+        "chat": prompts,
+        "short": [tok.encode("Once upon a time", add_special_tokens=False)] * 3,
+    }
     greedy = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8),
                      use_tqdm=False)  # fmt: skip
-    seconds = dict.fromkeys(engines, 0.0)
-    cpu = dict.fromkeys(engines, 0.0)  # the process's CPU time: the machine may be shared
-    tokens = dict.fromkeys(engines, 0)
+    batch1: dict[str, dict[str, float]] = {}
+    batch1_cpu: dict[str, dict[str, float]] = {}
     outputs: dict[str, list[list[int]]] = {n: [] for n in engines}
-    for p in prompts:  # batch 1, the engines in turn
-        for name, llm in engines.items():
-            t, c = time.perf_counter(), time.process_time()
-            out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)
-            seconds[name] += time.perf_counter() - t
-            cpu[name] += time.process_time() - c
-            tokens[name] += len(out[0].outputs[0].token_ids)
-            outputs[name].append(out[0].outputs[0].token_ids)
-    batch1 = {n: tokens[n] / seconds[n] for n in engines}
-    batch1_cpu = {n: tokens[n] / cpu[n] for n in engines}
+    for work, ps in workloads.items():
+        seconds = dict.fromkeys(engines, 0.0)
+        cpu = dict.fromkeys(engines, 0.0)  # the process's CPU time: the machine may be shared
+        tokens = dict.fromkeys(engines, 0)
+        for p in ps:  # batch 1, the engines in turn
+            for name, llm in engines.items():
+                t, c = time.perf_counter(), time.process_time()
+                out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)
+                seconds[name] += time.perf_counter() - t
+                cpu[name] += time.process_time() - c
+                tokens[name] += len(out[0].outputs[0].token_ids)
+                outputs[name].append(out[0].outputs[0].token_ids)
+        batch1[work] = {n: tokens[n] / seconds[n] for n in engines}
+        batch1_cpu[work] = {n: tokens[n] / cpu[n] for n in engines}
     rows = [{"prompt_token_ids": prompts[i % len(prompts)][: 40 + i]} for i in range(a.batch)]
     short = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     batch_n, batch_n_cpu = {}, {}
@@ -127,21 +138,26 @@ def main() -> None:
         batch_n_cpu[name] = n / (time.process_time() - c)
     del engines
     rss = {"bf16": rss_mb(model, False), "quantized": rss_mb(model, True)}
-    ref: Any = None
-    if a.llama_cpp_python:
-        ref = llama_cpp(a.llama_cpp_python, model, threads, prompts, a.max_tokens)
-        if isinstance(ref, list):
-            batch1["llama-cpp-python"] = sum(n for _, n in ref) / sum(t for t, _ in ref)
-    base = batch1.get("llama-cpp-python")
-    table = [[n, round(v, 1), "" if base is None else round(v / base, 2),
-              round(v / batch1["bf16"], 2)] for n, v in batch1.items()]  # fmt: skip
-    print(
-        f"batch 1, {len(prompts)} chat prompts x {a.max_tokens} greedy tokens, {threads} thread(s)"
-    )
-    print(format_table(["engine", "tok/s", "x llama-cpp", "x bf16"], table))
-    rates = ", ".join(f"{n} {v:.1f} tok/s" for n, v in batch_n.items())
-    ratio = batch_n["quantized"] / batch_n["bf16"]
-    print(f"batch {a.batch} x 64 tokens: {rates} (quantized/bf16 {ratio:.2f})")
+    ref: dict[str, Any] = {}
+    eos = sorted({t for t in (tok.eos_token_id, 0, 2) if t is not None})
+    for work, ps in workloads.items():
+        if a.llama_cpp_python:
+            ref[work] = llama_cpp(a.llama_cpp_python, model, threads, ps, eos, a.max_tokens)
+            if isinstance(ref[work], list):
+                r = ref[work]
+                batch1[work]["llama-cpp-python"] = sum(x[2] for x in r) / sum(x[0] for x in r)
+                batch1_cpu[work]["llama-cpp-python"] = sum(x[2] for x in r) / sum(x[1] for x in r)
+        print(f"batch 1, {work}: {len(ps)} prompts x {a.max_tokens} greedy tokens, "
+              f"{threads} thread(s)")  # fmt: skip
+        for label, rates in (("wall clock", batch1[work]), ("CPU time", batch1_cpu[work])):
+            base = rates.get("llama-cpp-python")
+            table = [[n, round(v, 1), "" if base is None else round(v / base, 2),
+                      round(v / rates["bf16"], 2)] for n, v in rates.items()]  # fmt: skip
+            print(format_table([f"engine ({label})", "tok/s", "x llama-cpp", "x bf16"], table))
+    for label, rates in (("wall clock", batch_n), ("CPU time", batch_n_cpu)):
+        text = ", ".join(f"{n} {v:.1f} tok/s" for n, v in rates.items())
+        ratio = rates["quantized"] / rates["bf16"]
+        print(f"batch {a.batch} x 64 tokens ({label}): {text} (quantized/bf16 {ratio:.2f})")
     print(f"RSS after loading: bf16 {rss['bf16']} MB, quantized {rss['quantized']} MB "
           f"({rss['bf16'] - rss['quantized']} MB less)")  # fmt: skip
     result = {
