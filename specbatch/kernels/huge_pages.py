@@ -10,12 +10,16 @@ layout remains. The mapping lives as long as any weight in it: each tensor holds
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
 import mmap
 
 import torch
 from torch import nn
 
 from specbatch.kernels.cpu import CpuKernels, PackedLinear
+from specbatch.kernels.quantized import QuantizedLinear
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each weight starts on a cache line
@@ -40,23 +44,45 @@ def pack_for_kernels(model: nn.Module, kernels: CpuKernels) -> None:
         if module is not model and hasattr(module, "use_cpu_kernels"):
             module.use_cpu_kernels(kernels)
     into_huge_pages(model)
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Give the pages of the weights released by packing back to the OS: glibc keeps freed
+    heap memory mapped (malloc_trim(0) releases its free pages)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def into_huge_pages(model: nn.Module) -> None:
-    """Moves the packed weights of ``model``'s modules (``module.packed``) into one huge-page
-    buffer, in the order of ``model.modules()`` (the order a pass reads them), and points each
-    at its copy. Call it after packing and before anything holds their addresses."""
-    packed = (getattr(m, "packed", None) for m in model.modules())
-    weights: list[PackedLinear] = list({id(p): p for p in packed if p is not None}.values())
-    if not weights:
+    """Moves the packed weights of ``model``'s modules (``module.packed``, and the GGUF blocks
+    of ``module.quant``) into one huge-page buffer, in the order of ``model.modules()`` (the
+    order a pass reads them), and points each at its copy. Call it after packing and before
+    anything holds their addresses."""
+    found = (w for m in model.modules() for w in (getattr(m, "packed", None),
+                                                    getattr(m, "quant", None)))  # fmt: skip
+    weights: list[PackedLinear | QuantizedLinear] = list(
+        {id(w): w for w in found if w is not None}.values()
+    )
+    tensors = [t for w in weights for t in _tensors(w)]
+    if not tensors:
         return
     offsets, total = [], 0
-    for p in weights:
+    for t in tensors:
         offsets.append(total)
-        total += -(-p.panels.numel() * p.panels.element_size() // ALIGN) * ALIGN
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     buffer = huge_page_buffer(total)
-    for p, offset in zip(weights, offsets, strict=True):
-        nbytes = p.panels.numel() * p.panels.element_size()
-        copy = buffer[offset : offset + nbytes].view(p.panels.dtype).view(p.panels.shape)
-        copy.copy_(p.panels)
-        p.panels = copy
+    copies = []
+    for t, offset in zip(tensors, offsets, strict=True):
+        copy = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        copies.append(copy)
+    for w in weights:
+        if isinstance(w, PackedLinear):
+            w.panels = copies.pop(0)
+        else:
+            w.repoint([dataclasses.replace(s, q=copies.pop(0)) for s in w.segments])
+
+
+def _tensors(w: PackedLinear | QuantizedLinear) -> list[torch.Tensor]:
+    return [w.panels] if isinstance(w, PackedLinear) else [s.q for s in w.segments]

@@ -95,6 +95,11 @@ class QuantizedLinear:
     desc: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
+        self.repoint(self.segments)
+
+    def repoint(self, segments: list[QuantizedRows]) -> None:
+        """Take these segments (the same rows, moved) and describe them anew."""
+        self.segments = segments
         fields = [len(self.segments)]
         n = 0
         for seg in self.segments:
