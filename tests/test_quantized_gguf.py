@@ -62,6 +62,12 @@ def kept_types(llm: LLM) -> set[str]:
     return {m.quant.types() for m in layers}
 
 
+@pytest.fixture(autouse=True)
+def keep_every_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K-quants too (kept only when asked)."""
+    monkeypatch.setenv("SPECBATCH_GGUF_QUANTIZED", "all")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_output_equals_transformers_reading_the_same_file(
     gguf_file: Callable[[str], Path], case: str
@@ -126,6 +132,16 @@ def test_speculative_sampling_keeps_the_quantized_targets_law(
     spec = llm.engine.metrics.spec
     assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98
     assert_matches([tuple(o.outputs[0].token_ids[:3]) for o in outs], exact)
+
+
+def test_k_quants_are_dequantized_unless_asked(
+    gguf_file: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECBATCH_GGUF_QUANTIZED", "1")
+    with LLM(str(gguf_file("q4_k-mixed")), dtype="bfloat16", num_kv_blocks=32) as llm:
+        model = llm.engine.executor.worker.target.model
+        kept = {m.quant.types() for m in model.modules() if getattr(m, "quant", None) is not None}
+    assert kept == set()  # blk.1.attn_k is Q4_1, but q and v beside it are Q4_K: dequantized
 
 
 @pytest.mark.parametrize("case", ["q4_1-tied", "q4_k-mixed"])

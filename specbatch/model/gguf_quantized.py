@@ -1,8 +1,10 @@
 """Which GGUF matrices load as kept quantized blocks, and their blocks read from the file.
 
-A matrix of a type the CPU kernels multiply (``kernels/quantized.py``: Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_K, Q6_K) loads as its blocks where the model runs on those kernels in float32 or bfloat16;
-every other tensor, and every tensor where the kernels do not run, is dequantized as it loads.
+A matrix of Q4_0, Q4_1 or Q8_0 loads as its blocks where the model runs on the CPU kernels in
+float32 or bfloat16; every other tensor, and every tensor where the kernels do not run, is
+dequantized as it loads. The kernels multiply the K-quants (Q4_K, Q5_K, Q6_K) too, but slower
+than bfloat16 weights (they unpack each block to the model's dtype before the products), so
+those are kept only with ``SPECBATCH_GGUF_QUANTIZED=all`` (memory before speed);
 ``SPECBATCH_GGUF_QUANTIZED=0`` dequantizes every matrix (the same weights as bfloat16 or
 float32, for comparison). Llama's query and key rows are reordered as ``gguf_tensors`` reorders
 the dequantized values: whole rows of blocks move.
@@ -18,10 +20,20 @@ import torch
 from specbatch.kernels.quantized import KEPT_TYPES
 from specbatch.model.gguf_tensors import GGUFTensor, unpermute_rows
 
+FAST_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: kept by default
+
+
+def kept_types() -> tuple[int, ...]:
+    """The ggml types kept quantized (``SPECBATCH_GGUF_QUANTIZED``: 1, the default; all; 0)."""
+    setting = os.environ.get("SPECBATCH_GGUF_QUANTIZED", "1").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return ()
+    return tuple(KEPT_TYPES) if setting == "all" else FAST_TYPES
+
 
 def keeps_quantized(weight: torch.Tensor) -> bool:
     """Whether a linear layer holding ``weight`` keeps a GGUF matrix quantized."""
-    if os.environ.get("SPECBATCH_GGUF_QUANTIZED", "1").strip().lower() in ("0", "false", "no"):
+    if not kept_types():
         return False
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -36,7 +48,7 @@ def quantized_blocks(loaded: Any) -> tuple[int, torch.Tensor] | None:
     if not isinstance(loaded, GGUFTensor) or loaded.offset or len(loaded.info.dims) != 2:
         return None
     kind = loaded.info.kind
-    if kind not in KEPT_TYPES:
+    if kind not in kept_types():
         return None
     blocks = torch.from_numpy(loaded.reader.tensor_bytes(loaded.info).copy())
     if loaded.permute_heads is not None:
