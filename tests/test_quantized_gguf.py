@@ -134,14 +134,17 @@ def test_speculative_sampling_keeps_the_quantized_targets_law(
     assert_matches([tuple(o.outputs[0].token_ids[:3]) for o in outs], exact)
 
 
-def test_k_quants_are_dequantized_unless_asked(
+def test_q5_k_and_q6_k_are_dequantized_unless_asked(
     gguf_file: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECBATCH_GGUF_QUANTIZED", "1")
     with LLM(str(gguf_file("q4_k-mixed")), dtype="bfloat16", num_kv_blocks=32) as llm:
         model = llm.engine.executor.worker.target.model
         kept = {m.quant.types() for m in model.modules() if getattr(m, "quant", None) is not None}
-    assert kept == set()  # blk.1.attn_k is Q4_1, but q and v beside it are Q4_K: dequantized
+    # a layer with a Q6_K or Q5_K part (layer 0's v, layer 1's down, the LM head) dequantized
+    assert kept == {"Q4_K", "Q4_K+Q4_1"}
+    assert model.model.layers[0].self_attn.qkv_proj.quant is None
+    assert model.lm_head.quant is None
 
 
 @pytest.mark.parametrize("case", ["q4_1-tied", "q4_k-mixed"])

@@ -29,10 +29,11 @@ _PANELED = {2: (2, 0), 3: (4, 2), 8: (2, 0)}  # kind -> (offset of the quants, o
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """Rows of a matrix as ggml blocks of one type, as the kernel reads them: the K-quants'
-    blocks as the file stores them (``q`` uint8 ``[rows, bytes]``); Q4_0, Q4_1 and Q8_0 in
-    panels of 16 rows (``csrc/gemm_qpanel.c``): ``q`` uint8 ``[panels, blocks, bytes]``, each
-    block's quants followed by its 16 float16 scales (and Q4_1's 16 minimums)."""
+    """Rows of a matrix as ggml blocks of one type, as the kernel reads them: Q5_K's and Q6_K's
+    blocks as the file stores them (``q`` uint8 ``[rows, bytes]``); Q4_0, Q4_1, Q8_0 and Q4_K
+    (its sub-blocks of 32) in panels of 16 rows (``csrc/gemm_qpanel.c``): ``q`` uint8
+    ``[panels, blocks, bytes]``, each block's quants followed by its 16 scales (and Q4_1's and
+    Q4_K's 16 minimums)."""
 
     kind: int
     q: torch.Tensor
@@ -49,6 +50,8 @@ class QuantizedRows:
                 f"{name} rows of {in_features} values must be whole blocks of {block} "
                 f"({block_bytes} bytes), got {blocks.shape[1]} bytes"
             )
+        if kind == 12:
+            return _q4_k_panels(blocks, in_features, rows)
         if kind not in _PANELED:
             return QuantizedRows(kind, blocks.contiguous(), in_features, rows)
         start, at_min = _PANELED[kind]
@@ -65,10 +68,7 @@ class QuantizedRows:
             v = quants.reshape(npanel, PANEL, nb, 16, 2).permute(0, 2, 3, 1, 4)
             q = v.reshape(npanel, nb, 512)
         else:  # value j of a block: low nibble of byte j (j < 16), else high nibble of j - 16
-            nib = torch.cat([quants & 15, quants >> 4], dim=2)  # [rows, nb, 32] values
-            # chunk c: pair 2c (values 4c, 4c + 1) low, pair 2c + 1 (4c + 2, 4c + 3) high
-            v = nib.reshape(npanel, PANEL, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
-            q = (v[..., 0] | (v[..., 1] << 4)).reshape(npanel, nb, 256)
+            q = _nibble_panels(torch.cat([quants & 15, quants >> 4], dim=2))
         parts = [q, halves(0), *([halves(at_min)] if at_min else [])]
         return QuantizedRows(kind, torch.cat(parts, dim=2).contiguous(), in_features, rows)
 
@@ -83,6 +83,39 @@ class QuantizedRows:
     def fields(self, first: int) -> list[int]:
         """The kernel's descriptor of these rows, output features from ``first`` on."""
         return [self.kind, self.rows, first, self.q.data_ptr(), 0, 0]
+
+
+def _nibble_panels(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values ``[rows (a multiple of 16), blocks, 32]`` as panels' quants ``[panels,
+    blocks, 256]``: chunk c holds pair 2c (values 4c, 4c + 1) in its low nibbles and pair
+    2c + 1 (4c + 2, 4c + 3) in its high ones, output o's pair at bytes 2o, 2o + 1."""
+    rows, nb, _ = values.shape
+    v = values.reshape(rows // PANEL, PANEL, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(rows // PANEL, nb, 256)
+
+
+def _q4_k_panels(blocks: torch.Tensor, in_features: int, rows: int) -> QuantizedRows:
+    """Q4_K as panels of its sub-blocks of 32: the quants as Q4_1's, then float32 scales
+    d * scale_j and minimums -dmin * min_j (ggml computes each product in float32)."""
+    pad = -rows % PANEL
+    b = torch.nn.functional.pad(blocks.reshape(rows, -1, 144), (0, 0, 0, 0, 0, pad))
+    n, nb = b.shape[0], b.shape[1]
+    d = b[:, :, 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    dmin = b[:, :, 2:4].contiguous().view(torch.float16).float()
+    s = b[:, :, 4:16].to(torch.int32)
+    lo, hi, mix = s[:, :, 0:4], s[:, :, 4:8], s[:, :, 8:12]
+    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 6) << 4)], dim=2).float()  # [n, nb, 8]
+    mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], dim=2).float()
+    qs = b[:, :, 16:].reshape(n, nb, 4, 1, 32)
+    nib = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, nb * 8, 32)  # sub-block j = 2c + h
+    npanel = n // PANEL
+
+    def per_panel(x: torch.Tensor) -> torch.Tensor:  # [n, nb * 8] -> bytes [panels, ., 64]
+        x = x.reshape(npanel, PANEL, nb * 8).permute(0, 2, 1).contiguous()
+        return x.view(torch.uint8).reshape(npanel, nb * 8, 64)
+
+    parts = [_nibble_panels(nib), per_panel(d * sc), per_panel(-(dmin * mn))]
+    return QuantizedRows(12, torch.cat(parts, dim=2).contiguous(), in_features, rows)
 
 
 @dataclass(eq=False)

@@ -1,10 +1,10 @@
 """Which GGUF matrices load as kept quantized blocks, and their blocks read from the file.
 
-A matrix of Q4_0, Q4_1 or Q8_0 loads as its blocks where the model runs on the CPU kernels in
-float32 or bfloat16; every other tensor, and every tensor where the kernels do not run, is
-dequantized as it loads. The kernels multiply the K-quants (Q4_K, Q5_K, Q6_K) too, but slower
-than bfloat16 weights (they unpack each block to the model's dtype before the products), so
-those are kept only with ``SPECBATCH_GGUF_QUANTIZED=all`` (memory before speed);
+A matrix of Q4_0, Q4_1, Q8_0 or Q4_K loads as its blocks where the model runs on the CPU
+kernels in float32 or bfloat16; every other tensor, and every tensor where the kernels do not
+run, is dequantized as it loads. The kernels multiply Q5_K and Q6_K too, but slower than
+bfloat16 weights (they unpack each block to the model's dtype before the products), so those
+are kept only with ``SPECBATCH_GGUF_QUANTIZED=all`` (memory before speed);
 ``SPECBATCH_GGUF_QUANTIZED=0`` dequantizes every matrix (the same weights as bfloat16 or
 float32, for comparison). Llama's query and key rows are reordered as ``gguf_tensors`` reorders
 the dequantized values: whole rows of blocks move.
@@ -20,7 +20,7 @@ import torch
 from specbatch.kernels.quantized import KEPT_TYPES
 from specbatch.model.gguf_tensors import GGUFTensor, unpermute_rows
 
-FAST_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: kept by default
+FAST_TYPES = (2, 3, 8, 12)  # Q4_0, Q4_1, Q8_0, Q4_K: kept by default
 
 
 def kept_types() -> tuple[int, ...]:

@@ -1,11 +1,13 @@
-/* y = x W^T (+ bias) for Q4_0, Q4_1 and Q8_0 weights repacked in panels of 16 output features.
+/* y = x W^T (+ bias) for Q4_0, Q4_1, Q8_0 and Q4_K weights repacked in panels of 16 output
+ * features (a Q4_K block as its eight sub-blocks of 32, each with its own scale and minimum).
  *
  * A panel holds, block after block (32 values of k), the block's quants of its 16 outputs laid
  * out as pairs along k: the 32-bit lane o of pair (k, k + 1) holds output o's two quants
  * (quantized.py: QuantizedRows). Q4 quants take 256 bytes, chunk c (32 bytes) holding pair 2c
  * in its low nibbles and pair 2c + 1 in its high ones; Q8_0's 512 bytes, a pair per 32 bytes.
- * The block's 16 scales d (and Q4_1's 16 minimums m) follow its quants, float16, so that a
- * panel is read in one stream.
+ * The block's 16 scales d (and Q4_1's and Q4_K's 16 minimums m) follow its quants, float16
+ * (Q4_K: float32, d and dmin times the sub-block's 6-bit factors), so that a panel is read in
+ * one stream.
  *
  * A tile of rows x panels sums each block apart, q x over the block's pairs (the quants as
  * exact bfloat16 integers on the BF16 dot product, or widened to float32 against x in float32),
@@ -21,12 +23,16 @@
 #include "common.h"
 #include "kernels.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
 #define NR 16
 
 SB_INLINE long block_bytes(int type) { return type == Q8_0 ? 512 : 256; }
-/* a panel's block: its quants, then its 16 scales d and (Q4_1) 16 minimums, float16 */
-SB_INLINE long stride_of(int type) { return block_bytes(type) + (type == Q4_1 ? 64 : 32); }
+SB_INLINE int has_min(int type) { return type == Q4_1 || type == Q4_K; }
+SB_INLINE long scale_bytes(int type) { return type == Q4_K ? 64 : 32; } /* 16 of them */
+/* a panel's block: its quants, then its 16 scales d and (Q4_1, Q4_K) 16 minimums */
+SB_INLINE long stride_of(int type) {
+    return block_bytes(type) + scale_bytes(type) * (has_min(type) ? 2 : 1);
+}
 
 /* ---- 16 lanes of int32 from 16 16-bit words --------------------------------------------- */
 #if SB_WIDE
@@ -73,6 +79,11 @@ SB_INLINE vf halves16(const uint16_t* p) {
     return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
 #endif
+}
+
+/* a block's 16 scales (or minimums): float32 for Q4_K, else float16 */
+SB_INLINE vf scales16(const int type, const uint16_t* p) {
+    return type == Q4_K ? vf_loadu((const float*)p) : halves16(p);
 }
 
 /* Pair i (0-15) of a block as float32: the 16 outputs' quants at k (e) and k + 1 (o). */
@@ -202,12 +213,12 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
         }
         for (int j = 0; j < NP; j++) {
             if (j >= np) break;
-            vf dj = halves16(d + j * pd + (long)b * hb);
-            vf mj = type == Q4_1 ? halves16(mins + j * pd + (long)b * hb) : vf_zero();
+            vf dj = scales16(type, d + j * pd + (long)b * hb);
+            vf mj = has_min(type) ? scales16(type, mins + j * pd + (long)b * hb) : vf_zero();
             for (int m = 0; m < TM; m++) {
                 if (m >= mr) break;
                 acc[m][j] = vf_fma(dj, blk[m][j], acc[m][j]);
-                if (type == Q4_1) acc[m][j] = vf_fma(mj, vf_set1(xsum[(long)m * nb + b]), acc[m][j]);
+                if (has_min(type)) acc[m][j] = vf_fma(mj, vf_set1(xsum[(long)m * nb + b]), acc[m][j]);
             }
         }
     }
@@ -305,6 +316,8 @@ static void many_rows(int M, int n_rows, int nb, int type, const uint8_t* q, con
                 y_bf16 ? U(Q4_0, 1) : U(Q4_0, 0);
             else if (type == Q4_1)
                 y_bf16 ? U(Q4_1, 1) : U(Q4_1, 0);
+            else if (type == Q4_K)
+                y_bf16 ? U(Q4_K, 1) : U(Q4_K, 0);
             else
                 y_bf16 ? U(Q8_0, 1) : U(Q8_0, 0);
 #undef U
@@ -333,7 +346,7 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
                       long ldx, int x_bf16, const void* bias, void* y, long ldy, int y_bf16) {
     const int nb = K / 32, npanel = (n_rows + NR - 1) / NR;
     const uint16_t* d = (const uint16_t*)(q + block_bytes(type));
-    const uint16_t* mins = type == Q4_1 ? d + NR : 0;
+    const uint16_t* mins = has_min(type) ? d + scale_bytes(type) / 2 : 0;
     const int dot = DOT && x_bf16;
     const void* xk = x;
     long ldk = ldx;
@@ -346,7 +359,7 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
         ldk = K;
     }
     float* xsum = 0;
-    if (type == Q4_1) { /* each row's sum over each block, in one order */
+    if (has_min(type)) { /* each row's sum over each block, in one order */
         xsum = grow(&xs_buf, &xs_cap, (long)M * nb);
         for (int m = 0; m < M; m++)
             for (int b = 0; b < nb; b++) {
@@ -384,6 +397,8 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
                 CALL(Q4_0);
             else if (type == Q4_1)
                 CALL(Q4_1);
+            else if (type == Q4_K)
+                CALL(Q4_K);
             else
                 CALL(Q8_0);
 #undef CALL

@@ -1,8 +1,8 @@
-/* y = x W^T (+ bias) with W kept as GGUF blocks: the dispatch over a weight's segments, and the
- * K-quants (ggml's Q4_K, Q5_K, Q6_K) as the file stores their blocks (Q4_0, Q4_1 and Q8_0 run
- * in gemm_qpanel.c's panels).
+/* y = x W^T (+ bias) with W kept as GGUF blocks: the dispatch over a weight's segments, and
+ * ggml's Q5_K and Q6_K as the file stores their blocks (Q4_0, Q4_1, Q8_0 and Q4_K run in
+ * gemm_qpanel.c's panels).
  *
- * The kernel takes a K-quant's output features in groups of R rows: each group's blocks are
+ * The kernel takes such a weight's output features in groups of R rows: each group's blocks are
  * unpacked once, in registers (the block's integers widened to float32 and its sub-blocks'
  * scales and minimums applied, d q - m as ggml computes them), into a scratch row of the
  * model's dtype that stays in L1 or L2; every row of x then multiplies that scratch, MT rows at
@@ -336,7 +336,7 @@ int sb_linear_quant(int M, int N, int K, const void* x, long ldx, int x_bf16,
         long n0 = (long)f[2];
         const void* bs = bias ? (const char*)bias + n0 * esz : 0;
         void* ys = (char*)y + n0 * esz_y;
-        if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
+        if (type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K) {
             sb_linear_qpanel(M, rows, K, type, (const uint8_t*)(intptr_t)f[3], x, ldx, x_bf16, bs,
                              ys, ldy, y_bf16);
             continue;
