@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 
 from specbatch.kernels.build import KernelBuildError, load_module
-from specbatch.kernels.quantized import QuantizedLinear, QuantizedRows
+from specbatch.kernels.quantized import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -127,14 +127,6 @@ class CpuKernels:
             int(y.dtype != x.dtype),
         )  # fmt: skip
         return y
-
-    def quant_unpack(self, rows: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
-        """The weights of ``rows`` as the kernel unpacks them (where it does not multiply the
-        quants as integers), ``[rows, K]`` in ``dtype``."""
-        out = torch.empty((rows.rows, rows.in_features), dtype=dtype)
-        desc = torch.tensor(rows.fields(0), dtype=torch.int64)
-        self._m.quant_unpack(desc.data_ptr(), rows.in_features, out.data_ptr(), _is_bf16(out))
-        return out
 
     # ---- elementwise -------------------------------------------------------------------------
     def rms_norm(

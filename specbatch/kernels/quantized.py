@@ -29,11 +29,9 @@ _PANELED = {2: (2, 0), 3: (4, 2), 8: (2, 0)}  # kind -> (offset of the quants, o
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """Rows of a matrix as ggml blocks of one type, as the kernel reads them: Q5_K's and Q6_K's
-    blocks as the file stores them (``q`` uint8 ``[rows, bytes]``); Q4_0, Q4_1, Q8_0 and Q4_K
-    (its sub-blocks of 32) in panels of 16 rows (``csrc/gemm_qpanel.c``): ``q`` uint8
-    ``[panels, blocks, bytes]``, each block's quants followed by its 16 scales (and Q4_1's and
-    Q4_K's 16 minimums)."""
+    """Rows of a matrix as ggml blocks of one type in panels of 16 rows, as the kernel reads
+    them (``csrc/gemm_qpanel.c``; a K-quant's blocks as their sub-blocks): ``q`` uint8
+    ``[panels, blocks, bytes]``, each block's quants followed by its 16 scales (and minimums)."""
 
     kind: int
     q: torch.Tensor
@@ -50,10 +48,10 @@ class QuantizedRows:
                 f"{name} rows of {in_features} values must be whole blocks of {block} "
                 f"({block_bytes} bytes), got {blocks.shape[1]} bytes"
             )
-        if kind == 12:
-            return _q4_k_panels(blocks, in_features, rows)
-        if kind not in _PANELED:
-            return QuantizedRows(kind, blocks.contiguous(), in_features, rows)
+        if kind in (12, 13):
+            return _q45_k_panels(kind, blocks, in_features, rows)
+        if kind == 14:
+            return _q6_k_panels(blocks, in_features, rows)
         start, at_min = _PANELED[kind]
         nb, pad = in_features // block, -rows % PANEL
         b = torch.nn.functional.pad(blocks.reshape(rows, nb, block_bytes), (0, 0, 0, 0, 0, pad))
@@ -94,11 +92,33 @@ def _nibble_panels(values: torch.Tensor) -> torch.Tensor:
     return (v[..., 0] | (v[..., 1] << 4)).reshape(rows // PANEL, nb, 256)
 
 
-def _q4_k_panels(blocks: torch.Tensor, in_features: int, rows: int) -> QuantizedRows:
-    """Q4_K as panels of its sub-blocks of 32: the quants as Q4_1's, then float32 scales
-    d * scale_j and minimums -dmin * min_j (ggml computes each product in float32)."""
-    pad = -rows % PANEL
-    b = torch.nn.functional.pad(blocks.reshape(rows, -1, 144), (0, 0, 0, 0, 0, pad))
+def _byte_panels(values: torch.Tensor) -> torch.Tensor:
+    """Byte values ``[rows (a multiple of 16), blocks, block]`` as panels' quants ``[panels,
+    blocks, 16 block]``: pair i of a block (values 2i, 2i + 1) in 32 bytes, output o's at bytes
+    2o, 2o + 1."""
+    rows, nb, block = values.shape
+    v = values.reshape(rows // PANEL, PANEL, nb, block // 2, 2).permute(0, 2, 3, 1, 4)
+    return v.reshape(rows // PANEL, nb, PANEL * block)
+
+
+def _scale_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float32 per row and block ``[rows, blocks]`` as each panel's 16, bytes ``[panels,
+    blocks, 64]``."""
+    rows, nb = x.shape
+    x = x.reshape(rows // PANEL, PANEL, nb).permute(0, 2, 1).contiguous()
+    return x.view(torch.uint8).reshape(rows // PANEL, nb, 4 * PANEL)
+
+
+def _padded(blocks: torch.Tensor, rows: int, block_bytes: int) -> torch.Tensor:
+    b = blocks.reshape(rows, -1, block_bytes)
+    return torch.nn.functional.pad(b, (0, 0, 0, 0, 0, -rows % PANEL))
+
+
+def _q45_k_panels(kind: int, blocks: torch.Tensor, in_features: int, rows: int) -> QuantizedRows:
+    """Q4_K and Q5_K as panels of their sub-blocks of 32 (Q4_K's quants as Q4_1's, Q5_K's a
+    byte each), then float32 scales d * scale_j and minimums -dmin * min_j (ggml computes
+    each product in float32)."""
+    b = _padded(blocks, rows, 144 if kind == 12 else 176)
     n, nb = b.shape[0], b.shape[1]
     d = b[:, :, 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
     dmin = b[:, :, 2:4].contiguous().view(torch.float16).float()
@@ -106,16 +126,35 @@ def _q4_k_panels(blocks: torch.Tensor, in_features: int, rows: int) -> Quantized
     lo, hi, mix = s[:, :, 0:4], s[:, :, 4:8], s[:, :, 8:12]
     sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 6) << 4)], dim=2).float()  # [n, nb, 8]
     mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], dim=2).float()
-    qs = b[:, :, 16:].reshape(n, nb, 4, 1, 32)
+    qs = b[:, :, -128:].reshape(n, nb, 4, 1, 32)
     nib = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, nb * 8, 32)  # sub-block j = 2c + h
-    npanel = n // PANEL
+    if kind == 12:
+        q = _nibble_panels(nib)
+    else:  # bit j of qh[l] is value l's fifth bit in sub-block j
+        qh = b[:, :, 16:48].reshape(n, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+        q = _byte_panels(nib | ((qh & 1) << 4).reshape(n, nb * 8, 32))
+    scales = (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
+    parts = [q, *(_scale_bytes(x) for x in scales)]
+    return QuantizedRows(kind, torch.cat(parts, dim=2).contiguous(), in_features, rows)
 
-    def per_panel(x: torch.Tensor) -> torch.Tensor:  # [n, nb * 8] -> bytes [panels, ., 64]
-        x = x.reshape(npanel, PANEL, nb * 8).permute(0, 2, 1).contiguous()
-        return x.view(torch.uint8).reshape(npanel, nb * 8, 64)
 
-    parts = [_nibble_panels(nib), per_panel(d * sc), per_panel(-(dmin * mn))]
-    return QuantizedRows(12, torch.cat(parts, dim=2).contiguous(), in_features, rows)
+def _q6_k_panels(blocks: torch.Tensor, in_features: int, rows: int) -> QuantizedRows:
+    """Q6_K as panels of its sub-blocks of 16, a signed byte a quant, then float32 scales
+    d * scale_j."""
+    b = _padded(blocks, rows, 210)
+    n, nb = b.shape[0], b.shape[1]
+    ql = b[:, :, 0:128].reshape(n, nb, 2, 1, 2, 32)  # [half, ., chunk of 32, l]
+    low = torch.cat([ql & 15, ql >> 4], dim=3)  # values 32 (4 half + 2 shift + chunk) + l
+    qh = (
+        b[:, :, 128:192].reshape(n, nb, 2, 1, 32)
+        >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+    )  # [half, j, l]: bits 2j, 2j + 1 of qh[l] for values 32 (4 half + j) + l
+    q = (low.reshape(n, nb, 8, 32) | ((qh & 3).reshape(n, nb, 8, 32) << 4)).to(torch.int16) - 32
+    q = q.to(torch.int8).view(torch.uint8).reshape(n, nb * 16, 16)
+    sc = b[:, :, 192:208].contiguous().view(torch.int8).float()  # [n, nb, 16]
+    d = b[:, :, 208:210].contiguous().view(torch.float16).float()
+    parts = [_byte_panels(q), _scale_bytes((d * sc).reshape(n, -1))]
+    return QuantizedRows(14, torch.cat(parts, dim=2).contiguous(), in_features, rows)
 
 
 @dataclass(eq=False)

@@ -1,10 +1,8 @@
 """Which GGUF matrices load as kept quantized blocks, and their blocks read from the file.
 
-A matrix of Q4_0, Q4_1, Q8_0 or Q4_K loads as its blocks where the model runs on the CPU
-kernels in float32 or bfloat16; every other tensor, and every tensor where the kernels do not
-run, is dequantized as it loads. The kernels multiply Q5_K and Q6_K too, but slower than
-bfloat16 weights (they unpack each block to the model's dtype before the products), so those
-are kept only with ``SPECBATCH_GGUF_QUANTIZED=all`` (memory before speed);
+A matrix of a type the CPU kernels multiply (``kernels/quantized.py``: Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K) loads as its blocks where the model runs on those kernels in float32 or bfloat16;
+every other tensor, and every tensor where the kernels do not run, is dequantized as it loads.
 ``SPECBATCH_GGUF_QUANTIZED=0`` dequantizes every matrix (the same weights as bfloat16 or
 float32, for comparison). Llama's query and key rows are reordered as ``gguf_tensors`` reorders
 the dequantized values: whole rows of blocks move.
@@ -20,15 +18,11 @@ import torch
 from specbatch.kernels.quantized import KEPT_TYPES
 from specbatch.model.gguf_tensors import GGUFTensor, unpermute_rows
 
-FAST_TYPES = (2, 3, 8, 12)  # Q4_0, Q4_1, Q8_0, Q4_K: kept by default
-
 
 def kept_types() -> tuple[int, ...]:
-    """The ggml types kept quantized (``SPECBATCH_GGUF_QUANTIZED``: 1, the default; all; 0)."""
+    """The ggml types kept quantized (none with ``SPECBATCH_GGUF_QUANTIZED=0``)."""
     setting = os.environ.get("SPECBATCH_GGUF_QUANTIZED", "1").strip().lower()
-    if setting in ("0", "false", "no", "off"):
-        return ()
-    return tuple(KEPT_TYPES) if setting == "all" else FAST_TYPES
+    return () if setting in ("0", "false", "no", "off") else tuple(KEPT_TYPES)
 
 
 def keeps_quantized(weight: torch.Tensor) -> bool:

@@ -1,13 +1,14 @@
-/* y = x W^T (+ bias) for Q4_0, Q4_1, Q8_0 and Q4_K weights repacked in panels of 16 output
- * features (a Q4_K block as its eight sub-blocks of 32, each with its own scale and minimum).
+/* y = x W^T (+ bias) for GGUF weights (ggml's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) repacked in
+ * panels of 16 output features; a K-quant's block as its sub-blocks (of 32 values, Q6_K's of
+ * 16), each a block of its own scale (and minimum).
  *
  * A panel holds, block after block (32 values of k), the block's quants of its 16 outputs laid
  * out as pairs along k: the 32-bit lane o of pair (k, k + 1) holds output o's two quants
- * (quantized.py: QuantizedRows). Q4 quants take 256 bytes, chunk c (32 bytes) holding pair 2c
- * in its low nibbles and pair 2c + 1 in its high ones; Q8_0's 512 bytes, a pair per 32 bytes.
- * The block's 16 scales d (and Q4_1's and Q4_K's 16 minimums m) follow its quants, float16
- * (Q4_K: float32, d and dmin times the sub-block's 6-bit factors), so that a panel is read in
- * one stream.
+ * (quantized.py: QuantizedRows). Four-bit quants (Q4_0, Q4_1, Q4_K) take 256 bytes a block,
+ * chunk c (32 bytes) holding pair 2c in its low nibbles and pair 2c + 1 in its high ones; the
+ * others a byte each (Q5_K's 0-31, Q6_K's -32-31), a pair per 32 bytes. The block's 16 scales d
+ * (and Q4_1's, Q4_K's and Q5_K's 16 minimums m) follow its quants, float16 (the K-quants:
+ * float32, d and dmin times the sub-block's factors), so that a panel is read in one stream.
  *
  * A tile of rows x panels sums each block apart, q x over the block's pairs (the quants as
  * exact bfloat16 integers on the BF16 dot product, or widened to float32 against x in float32),
@@ -23,12 +24,17 @@
 #include "common.h"
 #include "kernels.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define NR 16
 
-SB_INLINE long block_bytes(int type) { return type == Q8_0 ? 512 : 256; }
-SB_INLINE int has_min(int type) { return type == Q4_1 || type == Q4_K; }
-SB_INLINE long scale_bytes(int type) { return type == Q4_K ? 64 : 32; } /* 16 of them */
+/* Q8_0, Q5_K and Q6_K keep a byte a quant; Q4_0, Q4_1 and Q4_K a nibble */
+SB_INLINE int byte_quants(int type) { return type == Q8_0 || type == Q5_K || type == Q6_K; }
+SB_INLINE int block_values(int type) { return type == Q6_K ? 16 : 32; } /* Q6_K: sub-blocks of 16 */
+SB_INLINE int block_pairs(int type) { return block_values(type) / 2; }
+SB_INLINE long block_bytes(int type) { return byte_quants(type) ? 32L * block_pairs(type) : 256; }
+SB_INLINE int has_min(int type) { return type == Q4_1 || type == Q4_K || type == Q5_K; }
+SB_INLINE int f32_scales(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+SB_INLINE long scale_bytes(int type) { return f32_scales(type) ? 64 : 32; } /* 16 of them */
 /* a panel's block: its quants, then its 16 scales d and (Q4_1, Q4_K) 16 minimums */
 SB_INLINE long stride_of(int type) {
     return block_bytes(type) + scale_bytes(type) * (has_min(type) ? 2 : 1);
@@ -83,12 +89,12 @@ SB_INLINE vf halves16(const uint16_t* p) {
 
 /* a block's 16 scales (or minimums): float32 for Q4_K, else float16 */
 SB_INLINE vf scales16(const int type, const uint16_t* p) {
-    return type == Q4_K ? vf_loadu((const float*)p) : halves16(p);
+    return f32_scales(type) ? vf_loadu((const float*)p) : halves16(p);
 }
 
 /* Pair i (0-15) of a block as float32: the 16 outputs' quants at k (e) and k + 1 (o). */
 SB_INLINE void pair_f32(const int type, const uint8_t* blk, int i, vf* e, vf* o) {
-    if (type == Q8_0) {
+    if (byte_quants(type)) {
         vi w = vi_s16(blk + 32 * i);
         *e = vi_float(vi_low_s8(w));
         *o = vi_float(vi_high_s8(w));
@@ -110,7 +116,7 @@ SB_INLINE void pair_f32(const int type, const uint8_t* blk, int i, vf* e, vf* o)
  * chunk's bytes widened to words look their nibbles up in `table` (entry i: the quant of
  * nibble i mod 16): the low nibble through the word's low five bits, the high one shifted. */
 SB_INLINE __m512i pairs_bf16(const int type, const uint8_t* blk, int c, __m512i table, __m512i* b) {
-    if (type == Q8_0) {
+    if (byte_quants(type)) {
         const uint8_t* p = blk + 32 * c;
         __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
         __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
@@ -160,30 +166,31 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
         vf blk[TM_MAX][NP_MAX];
         for (int m = 0; m < TM; m++)
             for (int j = 0; j < NP; j++) blk[m][j] = vf_zero();
-        const int k0 = 32 * b;
+        const int k0 = block_values(type) * b;
 #if DOT
         if (dot) {
             const uint16_t* xb = (const uint16_t*)x;
-            const int steps = type == Q8_0 ? 16 : 8;
+            const int steps = byte_quants(type) ? block_pairs(type) : 8;
             for (int c = 0; c < steps; c++) {
                 for (int j = 0; j < NP; j++) {
                     if (j >= np) break;
                     __m512i wa, wb = _mm512_setzero_si512();
                     if (unpacked) { /* one panel's pairs, unpacked before (unpack_panel) */
-                        const uint16_t* u = unpacked + ((long)b * 16 + (type == Q8_0 ? c : 2 * c)) * 32;
+                        const uint16_t* u = unpacked + ((long)b * block_pairs(type) +
+                                                        (byte_quants(type) ? c : 2 * c)) * 32;
                         wa = _mm512_loadu_si512(u);
-                        if (type != Q8_0) wb = _mm512_loadu_si512(u + 32);
+                        if (!byte_quants(type)) wb = _mm512_loadu_si512(u + 32);
                     } else {
                         wa = pairs_bf16(type, q + j * pq + b * stride_of(type), c, table, &wb);
                     }
-                    const int ka = k0 + (type == Q8_0 ? 2 * c : 4 * c);
+                    const int ka = k0 + (byte_quants(type) ? 2 * c : 4 * c);
                     for (int m = 0; m < TM; m++) {
                         if (m >= mr) break;
                         uint32_t pa;
                         memcpy(&pa, xb + m * ldx + ka, 4);
                         blk[m][j] = _mm512_dpbf16_ps(blk[m][j], (__m512bh)wa,
                                                      (__m512bh)_mm512_set1_epi32((int)pa));
-                        if (type != Q8_0) {
+                        if (!byte_quants(type)) {
                             uint32_t pb;
                             memcpy(&pb, xb + m * ldx + ka + 2, 4);
                             blk[m][j] = _mm512_dpbf16_ps(blk[m][j], (__m512bh)wb,
@@ -196,9 +203,10 @@ SB_INLINE void qtile(const int TM, const int NP, const int type, const int dot, 
 #endif
         {
             const float* xf = (const float*)x;
-            for (int i = 0; i < 16; i++) {
-                /* pair i holds k0 + 2i and + 1 for Q8_0; for Q4, chunk i / 2 holds pairs 4c, 4c + 2 */
-                const int ka = type == Q8_0 ? k0 + 2 * i : k0 + 4 * (i / 2) + 2 * (i & 1);
+            for (int i = 0; i < block_pairs(type); i++) {
+                /* pair i holds k0 + 2i and + 1 (a byte a quant); for Q4, chunk i / 2 holds pairs
+                 * 4c and 4c + 2 */
+                const int ka = byte_quants(type) ? k0 + 2 * i : k0 + 4 * (i / 2) + 2 * (i & 1);
                 for (int j = 0; j < NP; j++) {
                     if (j >= np) break;
                     vf e, o;
@@ -268,9 +276,10 @@ static void unpack_panel(const int type, const uint8_t* q, int nb, uint16_t* out
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(base, base);
     for (int b = 0; b < nb; b++) {
         const uint8_t* blk = q + b * stride_of(type);
-        uint16_t* o = out + (long)b * 16 * 32;
-        if (type == Q8_0) {
-            for (int c = 0; c < 16; c++) _mm512_storeu_si512(o + c * 32, pairs_bf16(type, blk, c, table, 0));
+        uint16_t* o = out + (long)b * block_pairs(type) * 32;
+        if (byte_quants(type)) {
+            for (int c = 0; c < block_pairs(type); c++)
+                _mm512_storeu_si512(o + c * 32, pairs_bf16(type, blk, c, table, 0));
         } else {
             for (int c = 0; c < 8; c++) {
                 __m512i wb;
@@ -295,9 +304,9 @@ static void many_rows(int M, int n_rows, int nb, int type, const uint8_t* q, con
     const int par = omp_get_max_threads() > 1;
 #pragma omp parallel for schedule(static) if (par)
     for (int p = 0; p < npanel; p++) {
-        if ((long)nb * 16 * 32 > u_cap) {
+        if ((long)nb * block_pairs(type) * 32 > u_cap) {
             free(u_buf);
-            u_cap = (long)nb * 16 * 32;
+            u_cap = (long)nb * block_pairs(type) * 32;
             u_buf = (uint16_t*)aligned_alloc(64, (size_t)u_cap * 2);
             if (!u_buf) abort();
         }
@@ -318,6 +327,10 @@ static void many_rows(int M, int n_rows, int nb, int type, const uint8_t* q, con
                 y_bf16 ? U(Q4_1, 1) : U(Q4_1, 0);
             else if (type == Q4_K)
                 y_bf16 ? U(Q4_K, 1) : U(Q4_K, 0);
+            else if (type == Q5_K)
+                y_bf16 ? U(Q5_K, 1) : U(Q5_K, 0);
+            else if (type == Q6_K)
+                y_bf16 ? U(Q6_K, 1) : U(Q6_K, 0);
             else
                 y_bf16 ? U(Q8_0, 1) : U(Q8_0, 0);
 #undef U
@@ -344,7 +357,7 @@ static float* grow(float** buf, long* cap, long need) {
 /* One segment: rows (a multiple of 16 in the panels, n_rows real) of one type. */
 void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, const void* x,
                       long ldx, int x_bf16, const void* bias, void* y, long ldy, int y_bf16) {
-    const int nb = K / 32, npanel = (n_rows + NR - 1) / NR;
+    const int nb = K / block_values(type), npanel = (n_rows + NR - 1) / NR;
     const uint16_t* d = (const uint16_t*)(q + block_bytes(type));
     const uint16_t* mins = has_min(type) ? d + scale_bytes(type) / 2 : 0;
     const int dot = DOT && x_bf16;
@@ -399,6 +412,10 @@ void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, cons
                 CALL(Q4_1);
             else if (type == Q4_K)
                 CALL(Q4_K);
+            else if (type == Q5_K)
+                CALL(Q5_K);
+            else if (type == Q6_K)
+                CALL(Q6_K);
             else
                 CALL(Q8_0);
 #undef CALL

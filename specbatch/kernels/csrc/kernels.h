@@ -21,15 +21,13 @@ void sb_linear_tall(int M, int N, int K, const void* x, long ldx, const void* wp
                     const void* bias, void* y, long ldy, int y_bf16);
 
 /* gemm_quant.c: y[M, N] = x[M, K] W^T (+ bias) on GGUF blocks; qdesc: the number of
- * segments, then per segment its ggml type, rows, first output feature and the addresses of
- * its quants, scales and minimums (quantized.py: QuantizedRows); -1 for a type it does not
- * run or K not whole blocks. sb_quant_unpack: a K-quant segment's weights as the kernel
- * unpacks them, [rows, K] */
+ * segments, then per segment its ggml type, rows, first output feature, the address of its
+ * panels and two fields left 0 (quantized.py: QuantizedRows); -1 for a type it does not run or
+ * K not whole blocks */
 int sb_quant_block(int type, int* block_bytes);
 int sb_linear_quant(int M, int N, int K, const void* x, long ldx, int x_bf16,
                     const int64_t* qdesc, const void* bias, void* y, long ldy, int y_f32);
-void sb_quant_unpack(const int64_t* seg, int K, void* out, int bf16);
-/* gemm_qpanel.c: one segment of Q4_0, Q4_1 or Q8_0 rows in panels (gemm_qpanel.c says how) */
+/* gemm_qpanel.c: one segment of rows of one type in panels (gemm_qpanel.c says how) */
 void sb_linear_qpanel(int M, int n_rows, int K, int type, const uint8_t* q, const void* x,
                       long ldx, int x_bf16, const void* bias, void* y, long ldy, int y_bf16);
 

@@ -71,8 +71,6 @@ WRAP(rejection_sample, "iiipppiipiippppp",
      sb_rejection_sample(I(0), I(1), I(2), P(3), P(4), P(5), L(6), L(7), P(8), L(9), L(10), P(11),
                          P(12), P(13), P(14), P(15)))
 
-WRAP(quant_unpack, "pipi", sb_quant_unpack(P(0), I(1), P(2), I(3)))
-
 static PyObject* py_linear_quant(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     (void)self;
     arg_t a[16];
@@ -142,7 +140,7 @@ static PyMethodDef methods[] = {
     FAST(linear_f32), FAST(linear_bf16), FAST(set_amx), FAST(rms_norm), FAST(head_rms_norm),
     FAST(rope), FAST(silu_and_mul), FAST(write_kv), FAST(paged_attention), FAST(sample_rows),
     FAST(rejection_sample), FAST(decoder_layers), FAST(eagle3_pass), FAST(eagle3_round),
-    FAST(linear_quant), FAST(quant_unpack),
+    FAST(linear_quant),
     {"info", py_info, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
