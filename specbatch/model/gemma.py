@@ -33,7 +33,7 @@ from specbatch.model.layers.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
 )
-from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from specbatch.model.layers.embedding import VocabParallelEmbedding
 from specbatch.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from specbatch.model.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from specbatch.model.layers.weights import new_param
@@ -43,8 +43,9 @@ from specbatch.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     head_dim_of,
+    init_causal_lm,
+    lm_head_of,
     num_kv_heads_of,
-    take_shape,
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -311,9 +312,10 @@ class GemmaModel(nn.Module):
         return self.norm(h), [seen[i] for i in streams]
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 / Gemma 3 (text) causal LM; this rank's shard when ``tp.size > 1``. The same
-    interface as ``LlamaForCausalLM``; logits are soft-capped where the config says so."""
+    interface as ``LlamaForCausalLM`` (whose forward and cache it uses); logits are soft-capped
+    where the config says so."""
 
     packed_modules: ClassVar[dict[str, tuple[str, object]]] = LlamaForCausalLM.packed_modules
 
@@ -325,7 +327,7 @@ class GemmaForCausalLM(nn.Module):
         tp: TensorParallelGroup = SINGLE,
         attention_backend: AttentionBackend | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         arch = gemma_architecture(hf_config)
         if arch is None:
             raise InvalidInputError(
@@ -340,37 +342,14 @@ class GemmaForCausalLM(nn.Module):
                 f"{needs_torch_attention(hf_config)}",
                 "attention_backend",
             )
-        self.hf_config = hf_config
-        self.architecture = arch
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.tp = tp
-        self.attention_backend = attention_backend
-        take_shape(self, hf_config, tp)
-        self.sliding_window = None  # no cap on the context: the sliding layers are windowed
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        init_causal_lm(
+            self, hf_config, arch, dtype, device, tp, attention_backend,
+            sliding_window=None,  # no cap on the context: the sliding layers are windowed
+            tie_default=True,
+        )  # fmt: skip
         self.final_softcap = float(getattr(hf_config, "final_logit_softcapping", None) or 0) or None
-
         self.model = GemmaModel(hf_config, arch=arch, tp=tp, dtype=dtype, device=device)
-        self.lm_head = ParallelLMHead(
-            self.vocab_size,
-            self.hidden_size,
-            tp=tp,
-            dtype=dtype,
-            device=device,
-            tied_weight=self.model.embed_tokens.weight if self.tie_word_embeddings else None,
-        )
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions ``[T]`` int64 -> final-normed hidden states ``[T, hidden]``."""
-        return self.model(input_ids, positions, kv_caches, meta)[0]
+        self.lm_head = lm_head_of(self)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -384,7 +363,3 @@ class GemmaForCausalLM(nn.Module):
         """Run the projections, rotary and LM head through specbatch's CPU kernels (norms and
         attention stay in torch)."""
         pack_for_kernels(self, kernels)
-
-    # the cache is laid out as Llama's: K and V per layer, in the attention backend's layout
-    kv_cache_bytes_per_token = LlamaForCausalLM.kv_cache_bytes_per_token
-    allocate_kv_caches = LlamaForCausalLM.allocate_kv_caches

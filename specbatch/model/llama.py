@@ -8,6 +8,7 @@ the attention metadata are passed to every forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -177,13 +178,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, attn: LlamaAttention, mlp: LlamaMLP, **kw: Any) -> None:
+    """Norm, attention, norm, MLP; the MLP under ``mlp_name``, the checkpoint's name for it
+    (Mixtral's ``block_sparse_moe``)."""
+
+    def __init__(
+        self, hf_config: Any, attn: LlamaAttention, mlp: nn.Module, mlp_name: str = "mlp", **kw: Any
+    ) -> None:
         super().__init__()
         hidden, eps = int(hf_config.hidden_size), float(hf_config.rms_norm_eps)
         self.input_layernorm = RMSNorm(hidden, eps, **kw)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
-        self.mlp = mlp
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
 
     def forward(
         self,
@@ -198,7 +205,7 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.input_layernorm.add_and_norm(h, residual)
         x = self.self_attn(x, positions, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self._modules[self.mlp_name](x), residual
 
 
 class LlamaModel(nn.Module):
@@ -214,21 +221,19 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         hidden = int(hf_config.hidden_size)
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), hidden, tp=tp, **kw)
-        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
+        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        layers = []
-        for _ in range(int(hf_config.num_hidden_layers)):
+
+        def layer(_: int) -> nn.Module:
             attn = LlamaAttention(
                 hf_config,
                 qkv_bias=is_qwen2 or attention_bias,
                 o_bias=attention_bias and not is_qwen2,
                 qk_norm=arch == "Qwen3ForCausalLM",
-                rotary=self.rotary_emb,
+                rotary=rotary,
                 backend=backend,
                 tp=tp,
                 **kw,
@@ -240,8 +245,28 @@ class LlamaModel(nn.Module):
                 tp=tp,
                 **kw,
             )
-            layers.append(LlamaDecoderLayer(hf_config, attn, mlp, **kw))
-        self.layers = nn.ModuleList(layers)
+            return LlamaDecoderLayer(hf_config, attn, mlp, **kw)
+
+        self._build(hf_config, rotary, layer, tp=tp, **kw)
+
+    def _build(
+        self,
+        hf_config: Any,
+        rotary: RotaryEmbedding,
+        make_layer: Callable[[int], nn.Module],
+        *,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        """The embedding, ``rotary`` (one module shared by all layers), ``make_layer(i)`` for
+        each layer ``i`` and the final norm: the modules of a Llama-shaped decoder."""
+        nn.Module.__init__(self)
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        hidden = int(hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), hidden, tp=tp, **kw)
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(make_layer(i) for i in range(int(hf_config.num_hidden_layers)))
         self.norm = RMSNorm(hidden, float(hf_config.rms_norm_eps), **kw)
         self.cpu_plan: CpuDecoderPlan | None = None  # set once the CPU kernels run every op
 
@@ -281,6 +306,59 @@ def take_shape(model: nn.Module, hf_config: Any, tp: TensorParallelGroup) -> Non
     model.max_position_embeddings = int(hf_config.max_position_embeddings)
 
 
+def resolve_backend(
+    backend: AttentionBackend | None,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> AttentionBackend:
+    """``backend``, or where it is None the one chosen for ``device``, ``dtype`` and the
+    config's head size."""
+    if backend is not None:
+        return backend
+    from specbatch.model.layers.backend_choice import select_backend
+
+    return select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
+
+
+def init_causal_lm(
+    model: nn.Module,
+    hf_config: Any,
+    arch: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TensorParallelGroup,
+    attention_backend: AttentionBackend,
+    sliding_window: int | None,
+    tie_default: bool = False,
+) -> None:
+    """The attributes every causal LM sets before its modules: its config, architecture, dtype,
+    device, group and backend, its shape (:func:`take_shape`), its context cap and whether its
+    LM head is the embedding (``tie_word_embeddings``, ``tie_default`` where unsaid)."""
+    model.hf_config = hf_config
+    model.architecture = arch
+    model.dtype = dtype
+    model.device = torch.device(device)
+    model.tp = tp
+    model.attention_backend = attention_backend
+    take_shape(model, hf_config, tp)
+    model.sliding_window = sliding_window
+    model.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", tie_default))
+
+
+def lm_head_of(model: nn.Module) -> ParallelLMHead:
+    """The LM head of a causal LM set up by :func:`init_causal_lm` whose ``model`` holds the
+    embedding (the head's weight where the two are tied)."""
+    return ParallelLMHead(
+        model.vocab_size,
+        model.hidden_size,
+        tp=model.tp,
+        dtype=model.dtype,
+        device=model.device,
+        tied_weight=model.model.embed_tokens.weight if model.tie_word_embeddings else None,
+    )
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM; this rank's shard when ``tp.size > 1``.
 
@@ -307,31 +385,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         arch = check_architecture(hf_config)
-        if attention_backend is None:
-            from specbatch.model.layers.backend_choice import select_backend
-
-            attention_backend = select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
-        self.hf_config = hf_config
-        self.architecture = arch
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.tp = tp
-        self.attention_backend = attention_backend
-        take_shape(self, hf_config, tp)
-        self.sliding_window = sliding_window_of(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-
+        backend = resolve_backend(attention_backend, hf_config, dtype, device)
+        init_causal_lm(
+            self, hf_config, arch, dtype, device, tp, backend, sliding_window_of(hf_config)
+        )
         self.model = LlamaModel(
-            hf_config, arch=arch, backend=attention_backend, tp=tp, dtype=dtype, device=device
+            hf_config, arch=arch, backend=backend, tp=tp, dtype=dtype, device=device
         )
-        self.lm_head = ParallelLMHead(
-            self.vocab_size,
-            self.hidden_size,
-            tp=tp,
-            dtype=dtype,
-            device=device,
-            tied_weight=self.model.embed_tokens.weight if self.tie_word_embeddings else None,
-        )
+        self.lm_head = lm_head_of(self)
 
     @torch.inference_mode()
     def forward(

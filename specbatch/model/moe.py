@@ -25,20 +25,20 @@ from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
 from specbatch.kernels.huge_pages import pack_for_kernels
-from specbatch.model.layers.attention import AttentionBackend, AttentionMetadata
-from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from specbatch.model.layers.attention import AttentionBackend
 from specbatch.model.layers.experts import ExpertMLP, grouped_experts, route
 from specbatch.model.layers.linear import ColumnParallelLinear
-from specbatch.model.layers.norm import RMSNorm
 from specbatch.model.layers.rotary import RotaryEmbedding
 from specbatch.model.llama import (
-    KVCache,
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
     head_dim_of,
-    take_shape,
+    init_causal_lm,
+    lm_head_of,
+    resolve_backend,
 )
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -169,36 +169,6 @@ class SparseMoeBlock(nn.Module):
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
-class MoeDecoderLayer(nn.Module):
-    """``LlamaDecoderLayer`` with its MLP under the checkpoint's name (Mixtral's
-    ``block_sparse_moe``, Qwen's ``mlp``)."""
-
-    def __init__(
-        self, hf_config: Any, attn: LlamaAttention, mlp: nn.Module, mlp_name: str, **kw: Any
-    ) -> None:
-        super().__init__()
-        hidden, eps = int(hf_config.hidden_size), float(hf_config.rms_norm_eps)
-        self.input_layernorm = RMSNorm(hidden, eps, **kw)
-        self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(hidden, eps, **kw)
-        self.mlp_name = mlp_name
-        self.add_module(mlp_name, mlp)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``LlamaDecoderLayer.forward``: the layer's output and the residual before it."""
-        x, residual = self.input_layernorm.add_and_norm(h, residual)
-        x = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self._modules[self.mlp_name](x), residual
-
-
 class MoeModel(LlamaModel):
     """Embedding, decoder layers, final norm; the forward is ``LlamaModel``'s module path."""
 
@@ -212,28 +182,27 @@ class MoeModel(LlamaModel):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        nn.Module.__init__(self)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         hidden = int(hf_config.hidden_size)
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), hidden, tp=tp, **kw)
-        self.rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
+        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
         qwen2 = settings.arch == "Qwen2MoeForCausalLM"
         bias = bool(getattr(hf_config, "attention_bias", False))
-        layers = []
-        for sparse in settings.sparse:
+
+        def layer(i: int) -> nn.Module:
             attn = LlamaAttention(
                 hf_config, qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
-                qk_norm=settings.arch == "Qwen3MoeForCausalLM", rotary=self.rotary_emb,
+                qk_norm=settings.arch == "Qwen3MoeForCausalLM", rotary=rotary,
                 backend=backend, tp=tp, **kw,
             )  # fmt: skip
             mlp: nn.Module
-            if sparse:
+            if settings.sparse[i]:
                 mlp = SparseMoeBlock(hidden, settings, tp=tp, **kw)
             else:
                 mlp = LlamaMLP(hidden, settings.dense_size, bias=False, tp=tp, **kw)
-            layers.append(MoeDecoderLayer(hf_config, attn, mlp, settings.module, **kw))
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden, float(hf_config.rms_norm_eps), **kw)
+            # the MLP under the checkpoint's name (Mixtral's block_sparse_moe, Qwen's mlp)
+            return LlamaDecoderLayer(hf_config, attn, mlp, settings.module, **kw)
+
+        self._build(hf_config, rotary, layer, tp=tp, **kw)
         self.cpu_plan = None  # the plan's layer kernel runs dense MLPs only
 
 
@@ -251,20 +220,10 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> None:
         nn.Module.__init__(self)
         settings = moe_settings(hf_config)
-        if attention_backend is None:
-            from specbatch.model.layers.backend_choice import select_backend
-
-            attention_backend = select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
-        self.hf_config = hf_config
-        self.architecture = settings.arch
+        backend = resolve_backend(attention_backend, hf_config, dtype, device)
+        window = moe_sliding_window(hf_config)
+        init_causal_lm(self, hf_config, settings.arch, dtype, device, tp, backend, window)
         self.moe = settings
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.tp = tp
-        self.attention_backend = attention_backend
-        take_shape(self, hf_config, tp)
-        self.sliding_window = moe_sliding_window(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Mixtral names an expert's gate, down and up projections w1, w2 and w3
         self.packed_modules = dict(LlamaForCausalLM.packed_modules)
         if settings.arch == "MixtralForCausalLM":  # first: a missing weight is named by them
@@ -272,12 +231,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                        "w2": ("down_proj", None)}  # fmt: skip
             self.packed_modules = {**mixtral, **self.packed_modules}
         self.model = MoeModel(
-            hf_config, settings, backend=attention_backend, tp=tp, dtype=dtype, device=device
+            hf_config, settings, backend=backend, tp=tp, dtype=dtype, device=device
         )
-        self.lm_head = ParallelLMHead(
-            self.vocab_size, self.hidden_size, tp=tp, dtype=dtype, device=device,
-            tied_weight=self.model.embed_tokens.weight if self.tie_word_embeddings else None,
-        )  # fmt: skip
+        self.lm_head = lm_head_of(self)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the projections, experts, rotary and LM head through specbatch's CPU kernels,

@@ -31,9 +31,7 @@ from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
 from specbatch.kernels.huge_pages import pack_for_kernels
 from specbatch.model.layers.attention import AttentionBackend
-from specbatch.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from specbatch.model.layers.linear import ColumnParallelLinear
-from specbatch.model.layers.norm import RMSNorm
 from specbatch.model.layers.rotary import RotaryEmbedding, rope_parameters
 from specbatch.model.layers.weights import Loaded, check_shape, full_shape, set_weight_loader, take
 from specbatch.model.llama import (
@@ -43,8 +41,10 @@ from specbatch.model.llama import (
     LlamaMLP,
     LlamaModel,
     head_dim_of,
+    init_causal_lm,
+    lm_head_of,
+    resolve_backend,
     sliding_window_of,
-    take_shape,
 )
 
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -239,23 +239,21 @@ class Phi3Model(LlamaModel):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        nn.Module.__init__(self)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         hidden = int(hf_config.hidden_size)
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), hidden, tp=tp, **kw)
-        self.rotary_emb = Phi3Rotary(hf_config, device)
-        layers = []
-        for _ in range(int(hf_config.num_hidden_layers)):
+        rotary = Phi3Rotary(hf_config, device)
+
+        def layer(_: int) -> nn.Module:
             attn = LlamaAttention(
                 hf_config, qkv_bias=False, o_bias=False, qk_norm=False,
-                rotary=self.rotary_emb, backend=backend, tp=tp, **kw,
+                rotary=rotary, backend=backend, tp=tp, **kw,
             )  # fmt: skip
             mlp = LlamaMLP(hidden, int(hf_config.intermediate_size), bias=False, tp=tp, **kw)
             load_fused(attn.qkv_proj, ("q", "k", "v"))
             load_fused(mlp.gate_up_proj, (0, 1))
-            layers.append(LlamaDecoderLayer(hf_config, attn, mlp, **kw))
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden, float(hf_config.rms_norm_eps), **kw)
+            return LlamaDecoderLayer(hf_config, attn, mlp, **kw)
+
+        self._build(hf_config, rotary, layer, tp=tp, **kw)
         self.cpu_plan = None  # the plan's layer kernel turns whole heads only
 
 
@@ -281,26 +279,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 f"not a Phi-3 model; supported: {', '.join(PHI3_ARCHITECTURES)}"
             )
         check_phi3_config(hf_config)
-        if attention_backend is None:
-            from specbatch.model.layers.backend_choice import select_backend
-
-            attention_backend = select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
-        self.hf_config = hf_config
-        self.architecture = arch
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.tp = tp
-        self.attention_backend = attention_backend
-        take_shape(self, hf_config, tp)
-        self.sliding_window = sliding_window_of(hf_config)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = Phi3Model(
-            hf_config, backend=attention_backend, tp=tp, dtype=dtype, device=device
+        backend = resolve_backend(attention_backend, hf_config, dtype, device)
+        init_causal_lm(
+            self, hf_config, arch, dtype, device, tp, backend, sliding_window_of(hf_config)
         )
-        self.lm_head = ParallelLMHead(
-            self.vocab_size, self.hidden_size, tp=tp, dtype=dtype, device=device,
-            tied_weight=self.model.embed_tokens.weight if self.tie_word_embeddings else None,
-        )  # fmt: skip
+        self.model = Phi3Model(hf_config, backend=backend, tp=tp, dtype=dtype, device=device)
+        self.lm_head = lm_head_of(self)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the projections, rotary (whole heads only) and LM head through specbatch's CPU
