@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
 from specbatch.kernels.huge_pages import pack_for_kernels
@@ -43,8 +43,6 @@ from specbatch.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     head_dim_of,
-    init_causal_lm,
-    lm_head_of,
     num_kv_heads_of,
 )
 
@@ -319,37 +317,40 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     packed_modules: ClassVar[dict[str, tuple[str, object]]] = LlamaForCausalLM.packed_modules
 
-    def __init__(
-        self,
-        hf_config: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        tp: TensorParallelGroup = SINGLE,
-        attention_backend: AttentionBackend | None = None,
-    ) -> None:
-        nn.Module.__init__(self)
+    tie_by_default = True
+
+    def check_config(self, hf_config: Any) -> str:
         arch = gemma_architecture(hf_config)
         if arch is None:
             raise InvalidInputError(
                 f"not a Gemma text model; supported: {', '.join(GEMMA_ARCHITECTURES)}"
             )
         check_gemma_config(hf_config)
-        if attention_backend is None:
-            attention_backend = TorchAttentionBackend()
-        if not isinstance(attention_backend, TorchAttentionBackend):
+        return arch
+
+    def choose_backend(
+        self,
+        backend: AttentionBackend | None,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> AttentionBackend:
+        if backend is None:
+            return TorchAttentionBackend()
+        if not isinstance(backend, TorchAttentionBackend):
             raise InvalidInputError(
-                f"attention_backend '{attention_backend.name}' cannot run this model: "
+                f"attention_backend '{backend.name}' cannot run this model: "
                 f"{needs_torch_attention(hf_config)}",
                 "attention_backend",
             )
-        init_causal_lm(
-            self, hf_config, arch, dtype, device, tp, attention_backend,
-            sliding_window=None,  # no cap on the context: the sliding layers are windowed
-            tie_default=True,
-        )  # fmt: skip
+        return backend
+
+    def context_window(self, hf_config: Any) -> None:
+        return None  # no cap on the context: the sliding layers are windowed
+
+    def build_model(self, hf_config: Any, arch: str, backend: AttentionBackend) -> nn.Module:
         self.final_softcap = float(getattr(hf_config, "final_logit_softcapping", None) or 0) or None
-        self.model = GemmaModel(hf_config, arch=arch, tp=tp, dtype=dtype, device=device)
-        self.lm_head = lm_head_of(self)
+        return GemmaModel(hf_config, arch=arch, tp=self.tp, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

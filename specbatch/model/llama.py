@@ -306,59 +306,6 @@ def take_shape(model: nn.Module, hf_config: Any, tp: TensorParallelGroup) -> Non
     model.max_position_embeddings = int(hf_config.max_position_embeddings)
 
 
-def resolve_backend(
-    backend: AttentionBackend | None,
-    hf_config: Any,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> AttentionBackend:
-    """``backend``, or where it is None the one chosen for ``device``, ``dtype`` and the
-    config's head size."""
-    if backend is not None:
-        return backend
-    from specbatch.model.layers.backend_choice import select_backend
-
-    return select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
-
-
-def init_causal_lm(
-    model: nn.Module,
-    hf_config: Any,
-    arch: str,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    tp: TensorParallelGroup,
-    attention_backend: AttentionBackend,
-    sliding_window: int | None,
-    tie_default: bool = False,
-) -> None:
-    """The attributes every causal LM sets before its modules: its config, architecture, dtype,
-    device, group and backend, its shape (:func:`take_shape`), its context cap and whether its
-    LM head is the embedding (``tie_word_embeddings``, ``tie_default`` where unsaid)."""
-    model.hf_config = hf_config
-    model.architecture = arch
-    model.dtype = dtype
-    model.device = torch.device(device)
-    model.tp = tp
-    model.attention_backend = attention_backend
-    take_shape(model, hf_config, tp)
-    model.sliding_window = sliding_window
-    model.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", tie_default))
-
-
-def lm_head_of(model: nn.Module) -> ParallelLMHead:
-    """The LM head of a causal LM set up by :func:`init_causal_lm` whose ``model`` holds the
-    embedding (the head's weight where the two are tied)."""
-    return ParallelLMHead(
-        model.vocab_size,
-        model.hidden_size,
-        tp=model.tp,
-        dtype=model.dtype,
-        device=model.device,
-        tied_weight=model.model.embed_tokens.weight if model.tie_word_embeddings else None,
-    )
-
-
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM; this rank's shard when ``tp.size > 1``.
 
@@ -384,15 +331,62 @@ class LlamaForCausalLM(nn.Module):
         attention_backend: AttentionBackend | None = None,
     ) -> None:
         super().__init__()
-        arch = check_architecture(hf_config)
-        backend = resolve_backend(attention_backend, hf_config, dtype, device)
-        init_causal_lm(
-            self, hf_config, arch, dtype, device, tp, backend, sliding_window_of(hf_config)
+        arch = self.check_config(hf_config)
+        attention_backend = self.choose_backend(attention_backend, hf_config, dtype, device)
+        self.hf_config = hf_config
+        self.architecture = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tp = tp
+        self.attention_backend = attention_backend
+        take_shape(self, hf_config, tp)
+        self.sliding_window = self.context_window(hf_config)
+        self.tie_word_embeddings = bool(
+            getattr(hf_config, "tie_word_embeddings", self.tie_by_default)
         )
-        self.model = LlamaModel(
-            hf_config, arch=arch, backend=backend, tp=tp, dtype=dtype, device=device
+
+        self.model = self.build_model(hf_config, arch, attention_backend)
+        self.lm_head = ParallelLMHead(
+            self.vocab_size,
+            self.hidden_size,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+            tied_weight=self.model.embed_tokens.weight if self.tie_word_embeddings else None,
         )
-        self.lm_head = lm_head_of(self)
+
+    # What a family changes (MoE, Phi-3 and Gemma subclass this class): ------------------------
+
+    tie_by_default: ClassVar[bool] = False  # the head is the embedding where the config is silent
+
+    def check_config(self, hf_config: Any) -> str:
+        """The config's architecture, if this class runs it (else InvalidInputError)."""
+        return check_architecture(hf_config)
+
+    def choose_backend(
+        self,
+        backend: AttentionBackend | None,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> AttentionBackend:
+        """``backend``, or where it is None the one chosen for the device, dtype and head size."""
+        if backend is not None:
+            return backend
+        from specbatch.model.layers.backend_choice import select_backend
+
+        return select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
+
+    def context_window(self, hf_config: Any) -> int | None:
+        """The attention window that caps the context (``sliding_window``), if any."""
+        return sliding_window_of(hf_config)
+
+    def build_model(self, hf_config: Any, arch: str, backend: AttentionBackend) -> nn.Module:
+        """The decoder (``self.model``: embedding, layers, final norm), once the shape and
+        the attributes above are set."""
+        return LlamaModel(
+            hf_config, arch=arch, backend=backend, tp=self.tp, dtype=self.dtype, device=self.device
+        )
 
     @torch.inference_mode()
     def forward(

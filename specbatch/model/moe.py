@@ -36,9 +36,6 @@ from specbatch.model.llama import (
     LlamaMLP,
     LlamaModel,
     head_dim_of,
-    init_causal_lm,
-    lm_head_of,
-    resolve_backend,
 )
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -210,30 +207,23 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM; this rank's shard when ``tp.size > 1``. The
     same interface as ``LlamaForCausalLM`` (whose forward, logits and cache it uses)."""
 
-    def __init__(
-        self,
-        hf_config: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        tp: TensorParallelGroup = SINGLE,
-        attention_backend: AttentionBackend | None = None,
-    ) -> None:
-        nn.Module.__init__(self)
-        settings = moe_settings(hf_config)
-        backend = resolve_backend(attention_backend, hf_config, dtype, device)
-        window = moe_sliding_window(hf_config)
-        init_causal_lm(self, hf_config, settings.arch, dtype, device, tp, backend, window)
-        self.moe = settings
+    def check_config(self, hf_config: Any) -> str:
+        self.moe = moe_settings(hf_config)
+        return self.moe.arch
+
+    def context_window(self, hf_config: Any) -> int | None:
+        return moe_sliding_window(hf_config)
+
+    def build_model(self, hf_config: Any, arch: str, backend: AttentionBackend) -> nn.Module:
         # Mixtral names an expert's gate, down and up projections w1, w2 and w3
         self.packed_modules = dict(LlamaForCausalLM.packed_modules)
-        if settings.arch == "MixtralForCausalLM":  # first: a missing weight is named by them
+        if arch == "MixtralForCausalLM":  # first: a missing weight is named by them
             mixtral = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
                        "w2": ("down_proj", None)}  # fmt: skip
             self.packed_modules = {**mixtral, **self.packed_modules}
-        self.model = MoeModel(
-            hf_config, settings, backend=backend, tp=tp, dtype=dtype, device=device
+        return MoeModel(
+            hf_config, self.moe, backend=backend, tp=self.tp, dtype=self.dtype, device=self.device
         )
-        self.lm_head = lm_head_of(self)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the projections, experts, rotary and LM head through specbatch's CPU kernels,

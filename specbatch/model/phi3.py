@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from specbatch.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
 from specbatch.kernels.huge_pages import pack_for_kernels
@@ -41,10 +41,6 @@ from specbatch.model.llama import (
     LlamaMLP,
     LlamaModel,
     head_dim_of,
-    init_causal_lm,
-    lm_head_of,
-    resolve_backend,
-    sliding_window_of,
 )
 
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -264,27 +260,19 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # the checkpoint's names are the model's: qkv_proj and gate_up_proj load whole
     packed_modules: ClassVar[dict[str, tuple[str, object]]] = {}
 
-    def __init__(
-        self,
-        hf_config: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        tp: TensorParallelGroup = SINGLE,
-        attention_backend: AttentionBackend | None = None,
-    ) -> None:
-        nn.Module.__init__(self)
+    def check_config(self, hf_config: Any) -> str:
         arch = phi3_architecture(hf_config)
         if arch is None:
             raise InvalidInputError(
                 f"not a Phi-3 model; supported: {', '.join(PHI3_ARCHITECTURES)}"
             )
         check_phi3_config(hf_config)
-        backend = resolve_backend(attention_backend, hf_config, dtype, device)
-        init_causal_lm(
-            self, hf_config, arch, dtype, device, tp, backend, sliding_window_of(hf_config)
+        return arch
+
+    def build_model(self, hf_config: Any, arch: str, backend: AttentionBackend) -> nn.Module:
+        return Phi3Model(
+            hf_config, backend=backend, tp=self.tp, dtype=self.dtype, device=self.device
         )
-        self.model = Phi3Model(hf_config, backend=backend, tp=tp, dtype=dtype, device=device)
-        self.lm_head = lm_head_of(self)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the projections, rotary (whole heads only) and LM head through specbatch's CPU
