@@ -9,7 +9,7 @@ import json
 import math
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specbatch import LLM, SamplingParams
+from tests.helpers import greedy_token_ids, hf_greedy
 from tests.test_model import SCHEDULE, random_tokens, run_schedule
 
 VOCAB, BS, MAX_NEW = 128, 4, 20
@@ -108,14 +109,19 @@ def schedule_logits(
     return tokens, run_schedule(model, tokens, SCHEDULE)
 
 
-def assert_logits_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
-    """Logits within 1e-4 of the reference and logprobs too; the reference neither uniform
-    nor one-hot."""
+def assert_each_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    """Each sequence's logits within 1e-4 of the reference, and its logprobs too."""
     for b, (o, r) in enumerate(zip(ours, ref, strict=True)):
         assert o.shape == r.shape
         torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4, msg=lambda m, b=b: f"{b}: {m}")
         diff = (o.log_softmax(-1) - r.log_softmax(-1)).abs().max()
         assert diff < 1e-4, f"seq {b}: logprobs differ by {diff}"
+
+
+def assert_logits_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    """Logits within 1e-4 of the reference and logprobs too; the reference neither uniform
+    nor one-hot."""
+    assert_each_close(ours, ref)
     top = torch.cat(ref).softmax(-1).max(-1).values.mean()
     assert 0.05 < top < 0.95, top
 
@@ -166,6 +172,85 @@ def chi_square_law(target: Path, draft: Path, gamma: int = 3) -> None:
     spec = llm.engine.metrics.spec
     assert spec.proposed > 0 and 0.05 < spec.acceptance_rate < 0.98
     assert_matches(samples, exact_joint(target, PROMPT, 3))
+
+
+# ---- test bodies every family runs ---------------------------------------------------------
+
+
+def hf_greedy_outputs(models: dict[str, Path], archs: Iterable[str]) -> dict[str, list[list[int]]]:
+    """transformers' greedy outputs of ``prompts()`` for each of ``archs`` (a module's
+    ``hf_outputs`` fixture)."""
+    return {arch: hf_greedy(models[arch], prompts(), MAX_NEW) for arch in archs}
+
+
+def check_bfloat16_rounding(path: Path) -> None:
+    """Against float32, specbatch's bfloat16 logits err no more than transformers' own, and
+    an engine in bfloat16 runs."""
+    from specbatch.model.loader import load_model
+
+    model = load_model(path, torch.bfloat16, "cpu")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    tokens, ours = schedule_logits(model)
+    exact, theirs = hf_logits(path, tokens), hf_logits(path, tokens, torch.bfloat16)
+
+    def err(a: list[torch.Tensor]) -> float:
+        return max(float((x - r).abs().max()) for x, r in zip(a, exact, strict=True))
+
+    assert 0 < err(ours) <= 1.25 * err(theirs)
+    with engine(path, dtype="bfloat16") as llm:
+        outs = greedy_token_ids(llm, prompts(2), 8)
+    assert [len(o) for o in outs] == [8, 8]
+
+
+def check_logprobs(models: dict[str, Path], arch: str) -> None:
+    """A target verifying its draft model's chains gives transformers' logprobs."""
+    with engine(models[arch], DRAFTERS["draft"](models[f"{arch}-draft"])) as llm:
+        assert_logprobs_match(llm, models[arch], prompts(), stepwise=False)
+
+
+def check_greedy(models: dict[str, Path], want: list[list[int]], arch: str, drafter: str) -> None:
+    """Greedy output equal to ``want`` (transformers'), ``drafter`` proposing (its draft model
+    ``{arch}-draft``)."""
+    with engine(models[arch], DRAFTERS[drafter](models[f"{arch}-draft"])) as llm:
+        assert greedy_token_ids(llm, prompts(), MAX_NEW) == want
+        if drafter != "plain":
+            assert llm.engine.metrics.spec.proposed > 0
+
+
+def check_eagle_head(target: Path, want: list[list[int]], layout: str) -> None:
+    """A random EAGLE-1 or EAGLE-3 head on ``target`` leaves its greedy output ``want``."""
+    from specbatch.testing.eagle_heads import make_eagle_head
+
+    head = make_eagle_head(target.parent / f"head-{layout}", target, layout, seed=5,
+                           with_embedding=layout == "eagle")  # fmt: skip
+    spec = {"method": layout, "model": str(head), "num_speculative_tokens": 3}
+    with engine(target, spec) as llm:
+        assert greedy_token_ids(llm, prompts(), MAX_NEW) == want
+        assert llm.engine.metrics.spec.proposed > 0
+
+
+def check_tensor_parallel_2(
+    models: dict[str, Path],
+    hf_outputs: dict[str, list[list[int]]],
+    cases: Iterable[tuple[str, str]],
+    proposed: bool = True,
+) -> None:
+    """Greedy output at tensor parallelism 2 equal to transformers' for each ``(arch,
+    drafter)`` of ``cases`` (``proposed``: and the drafter proposed tokens)."""
+    for arch, drafter in cases:
+        spec = DRAFTERS[drafter](models[f"{arch}-draft"])
+        with engine(models[arch], spec, tensor_parallel_size=2) as llm:
+            assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch], arch
+            if proposed:
+                assert llm.engine.metrics.spec.proposed > 0
+
+
+def assert_same_parameters(got: Any, want: Any) -> None:
+    """The same parameter names, and each parameter equal bit for bit."""
+    params = dict(got.named_parameters())
+    assert params.keys() == dict(want.named_parameters()).keys()
+    for name, p in want.named_parameters():
+        assert torch.equal(params[name], p), name
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,25 +28,35 @@ import numpy as np
 import pytest
 import torch
 
-from specbatch import LLM, SamplingParams
 from specbatch.errors import InvalidInputError
 from specbatch.model import gemma
 from specbatch.model.layers import window_attention as wa
 from specbatch.model.loader import load_model
-from tests.helpers import greedy_token_ids, hf_greedy, random_paged_batch
-from tests.test_model import SCHEDULE, random_tokens, run_schedule
+from tests import family_checks
+from tests.family_checks import (
+    BS,
+    DRAFTERS,
+    MAX_NEW,
+    VOCAB,
+    assert_cli_and_server_run,
+    assert_each_close,
+    check_bfloat16_rounding,
+    check_eagle_head,
+    check_greedy,
+    check_logprobs,
+    check_tensor_parallel_2,
+    engine,
+    hf_greedy_outputs,
+    hf_logits,
+    prompts,
+    schedule_logits,
+    with_config,
+    worst_logprob_gap,
+)
+from tests.helpers import greedy_token_ids, random_paged_batch
 
-VOCAB, WINDOW, BS, MAX_NEW = 128, 8, 4, 20
-TREE = {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 5}
-DRAFTERS: dict[str, Callable[[Path], dict[str, Any] | None]] = {
-    "plain": lambda draft: None,
-    "ngram": lambda draft: {"method": "ngram", "num_speculative_tokens": 3,
-                            "prompt_lookup_min": 1},
-    "draft": lambda draft: {"model": str(draft), "num_speculative_tokens": 3},
-    "draft-tree": lambda draft: {"model": str(draft), **TREE},
-    "self_sparse": lambda draft: {"method": "self_sparse", "num_speculative_tokens": 3,
-                                  "sinks": 4, "window": 12},
-}  # fmt: skip
+ray_cluster = family_checks.ray_cluster  # a fixture
+WINDOW = 8
 
 
 def make_gemma(
@@ -112,31 +121,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                    **small),
         "gemma3-draft": make_gemma(root / "g3d", "gemma3", seed=3, **small),
     }  # fmt: skip
-
-
-def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(k)] for k in (5, 13, 22, 31)[:n]]
-
-
-def engine(path: Path, spec: dict[str, Any] | None = None, **kw: Any) -> LLM:
-    kw = {"dtype": "float32", "num_kv_blocks": 256, "block_size": BS, "max_model_len": 128,
-          "seed": 0, **kw}  # fmt: skip
-    return LLM(str(path), speculative_config=spec, **kw)
-
-
-@torch.inference_mode()
-def hf_logits(path: Path, tokens: list[torch.Tensor], dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    return [hf.eval()(t[None]).logits[0].float() for t in tokens]
-
-
-def schedule_logits(model: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    lengths = [sum(step[b] for step in SCHEDULE) for b in range(len(SCHEDULE[0]))]
-    tokens = random_tokens(lengths, VOCAB)
-    return tokens, run_schedule(model, tokens, SCHEDULE)
 
 
 # ---- the attention -----------------------------------------------------------------------
@@ -226,11 +210,7 @@ def test_logits_through_the_paged_cache_equal_transformers(models, arch) -> None
     assert type(model).__name__ == "GemmaForCausalLM" and model.attention_backend.name == "torch"
     tokens, ours = schedule_logits(model)
     ref = hf_logits(models[arch], tokens)
-    for b, (o, r) in enumerate(zip(ours, ref, strict=True)):
-        assert o.shape == r.shape
-        torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4, msg=lambda m, b=b: f"{b}: {m}")
-        diff = (o.log_softmax(-1) - r.log_softmax(-1)).abs().max()
-        assert diff < 1e-4, f"seq {b}: logprobs differ by {diff}"
+    assert_each_close(ours, ref)
     probs = ref[4].softmax(-1)
     assert 0.02 < probs.max(-1).values.mean() < 0.9  # neither uniform nor one-hot
     if arch == "gemma2":
@@ -240,36 +220,12 @@ def test_logits_through_the_paged_cache_equal_transformers(models, arch) -> None
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_bfloat16_rounds_no_worse_than_transformers_bfloat16(models, arch) -> None:
     """Against float32, specbatch's bfloat16 logits err no more than transformers' own."""
-    model = load_model(models[arch], torch.bfloat16, "cpu")
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    tokens, ours = schedule_logits(model)
-    exact, theirs = hf_logits(models[arch], tokens), hf_logits(models[arch], tokens, torch.bfloat16)
-
-    def err(a: list[torch.Tensor]) -> float:
-        return max(float((x - r).abs().max()) for x, r in zip(a, exact, strict=True))
-
-    assert 0 < err(ours) <= 1.25 * err(theirs)
-    with engine(models[arch], dtype="bfloat16") as llm:
-        outs = greedy_token_ids(llm, prompts(2), 8)
-    assert [len(o) for o in outs] == [8, 8]
+    check_bfloat16_rounding(models[arch])
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_logprobs_within_1e4_of_transformers(models, arch) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
-    batch = prompts()
-    spec = DRAFTERS["draft"](models[f"{arch}-draft"])
-    with engine(models[arch], spec) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    seqs = [torch.tensor(p + list(o.outputs[0].token_ids)) for p, o in zip(batch, outs)]
-    ref = [r.log_softmax(-1) for r in hf_logits(models[arch], seqs)]
-    for p, o, r in zip(batch, outs, ref, strict=True):
-        c = o.outputs[0]
-        for i, (tok, entries) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
-            row = r[len(p) - 1 + i]
-            assert tok == int(row.argmax())
-            for t, lp in entries.items():
-                assert abs(lp.logprob - float(row[t])) < 1e-4, (i, t)
+    check_logprobs(models, arch)
 
 
 # ---- greedy output, every drafter ------------------------------------------------------------
@@ -277,16 +233,13 @@ def test_logprobs_within_1e4_of_transformers(models, arch) -> None:
 
 @pytest.fixture(scope="module")
 def hf_outputs(models) -> dict[str, list[list[int]]]:
-    return {arch: hf_greedy(models[arch], prompts(), MAX_NEW) for arch in ("gemma2", "gemma3")}
+    return hf_greedy_outputs(models, ("gemma2", "gemma3"))
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_greedy_equals_transformers(models, hf_outputs, arch, drafter) -> None:
-    with engine(models[arch], DRAFTERS[drafter](models[f"{arch}-draft"])) as llm:
-        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch]
-        if drafter != "plain":
-            assert llm.engine.metrics.spec.proposed > 0
+    check_greedy(models, hf_outputs[arch], arch, drafter)
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
@@ -294,46 +247,14 @@ def test_greedy_with_an_eagle_head_equals_transformers(models, hf_outputs, layou
     """A random head (its layer is EAGLE's Llama layer) on Gemma's embedding table (unscaled,
     as vLLM shares it), its final hidden states (EAGLE-1) or residual streams (EAGLE-3) and
     its soft-capped logits."""
-    from specbatch.testing.eagle_heads import make_eagle_head
-
-    target = models["gemma2"]
-    head = make_eagle_head(target.parent / f"head-{layout}", target, layout, seed=5,
-                           with_embedding=layout == "eagle")  # fmt: skip
-    spec = {"method": layout, "model": str(head), "num_speculative_tokens": 3}
-    with engine(target, spec) as llm:
-        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs["gemma2"]
-        assert llm.engine.metrics.spec.proposed > 0
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray for this module's tensor-parallel test (as tests/test_ray_tp.py starts it)."""
-    import os
-
-    ray = pytest.importorskip("ray")
-    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
-        pytest.skip("needs torch.distributed with gloo")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 object_store_memory=256 << 20, logging_level="WARNING",
-                 _node_ip_address="127.0.0.1")  # fmt: skip
-    yield
-    if started:
-        ray.shutdown()
+    check_eagle_head(models["gemma2"], hf_outputs["gemma2"], layout)
 
 
 @pytest.mark.xdist_group("ray")
 def test_greedy_at_tensor_parallel_2_equals_transformers(models, hf_outputs, ray_cluster) -> None:
     """Heads split across two ranks as for Llama (q/k norms and every other norm replicated),
     Gemma 2 verifying a draft model's chains, Gemma 3 the self-drafter's."""
-    for arch, drafter in (("gemma2", "draft"), ("gemma3", "self_sparse")):
-        spec = DRAFTERS[drafter](models[f"{arch}-draft"])
-        with engine(models[arch], spec, tensor_parallel_size=2) as llm:
-            assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch], arch
-            assert llm.engine.metrics.spec.proposed > 0
+    check_tensor_parallel_2(models, hf_outputs, (("gemma2", "draft"), ("gemma3", "self_sparse")))
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
@@ -466,60 +387,11 @@ def test_gguf_metadata_the_reader_derives(models, tmp_path) -> None:
 # ---- entry points ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def with_tokenizer(models, make_checkpoint, tmp_path_factory) -> Path:
-    """The Gemma 2 checkpoint with a tokenizer (a tiny BPE of its vocabulary size)."""
-    import shutil
-
-    src = make_checkpoint("llama", with_tokenizer=True, vocab_size=VOCAB)
-    out = tmp_path_factory.mktemp("g2tok") / "g2"
-    shutil.copytree(models["gemma2"], out)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out / f.name)
-    return out
-
-
-def test_cli_and_server_run_gemma(with_tokenizer, tmp_path) -> None:
-    from fastapi.testclient import TestClient
-
-    from specbatch.config import EngineArgs
-    from specbatch.entrypoints.cli import main
-    from specbatch.entrypoints.openai_server import build_app
-
-    with engine(with_tokenizer) as llm:
-        want = llm.generate(
-            ["hello world"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
-        )
-    want_text = want[0].outputs[0].text  # fmt: skip
-    prompts_file = tmp_path / "p.txt"
-    prompts_file.write_text("hello world\n")
-    out = tmp_path / "out.jsonl"
-    argv = ["generate", "--model", str(with_tokenizer), "--prompts", str(prompts_file),
-            "--output", str(out), "--num-kv-blocks", "64", "--max-model-len", "64",
-            "--max-tokens", "6", "--temperature", "0", "--no-progress"]  # fmt: skip
-    assert main(argv) == 0
-    assert json.loads(out.read_text())["text"] == want_text
-    app = build_app(EngineArgs(model=str(with_tokenizer), num_kv_blocks=64, max_model_len=64))
-    with TestClient(app) as client:
-        r = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 6,
-                                                 "temperature": 0})  # fmt: skip
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want_text
+def test_cli_and_server_run_gemma(models, make_checkpoint, tmp_path) -> None:
+    assert_cli_and_server_run(models["gemma2"], make_checkpoint, tmp_path)
 
 
 # ---- errors ---------------------------------------------------------------------------------
-
-
-def _config_dir(tmp_path: Path, src: Path, **changes: Any) -> Path:
-    import shutil
-
-    out = tmp_path / "m"
-    shutil.copytree(src, out)
-    config = json.loads((out / "config.json").read_text())
-    config.update(changes)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.mark.parametrize(
@@ -539,7 +411,7 @@ def _config_dir(tmp_path: Path, src: Path, **changes: Any) -> Path:
     ],
 )  # fmt: skip
 def test_bad_configs_name_what_is_wrong(models, tmp_path, changes, message) -> None:
-    path = _config_dir(tmp_path, models["gemma2"], **changes)
+    path = with_config(models["gemma2"], tmp_path / "m", **changes)
     with pytest.raises(InvalidInputError, match=message):
         load_model(path, torch.float32, "cpu")
 
@@ -548,10 +420,10 @@ def test_bad_gemma3_settings(models, tmp_path) -> None:
     rope = {"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6,
                                "original_max_position_embeddings": 64},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
-    path = _config_dir(tmp_path, models["gemma3"], rope_parameters=rope)
+    path = with_config(models["gemma3"], tmp_path / "m", rope_parameters=rope)
     with pytest.raises(InvalidInputError, match="rope_type 'yarn' of the full_attention layers"):
         load_model(path, torch.float32, "cpu")
-    path = _config_dir(tmp_path / "b", models["gemma3"], use_bidirectional_attention=True)
+    path = with_config(models["gemma3"], tmp_path / "b" / "m", use_bidirectional_attention=True)
     with pytest.raises(InvalidInputError, match="use_bidirectional_attention"):
         load_model(path, torch.float32, "cpu")
 
@@ -620,7 +492,4 @@ def test_planted_bugs_move_the_logits_off_transformers(models, planted, bug) -> 
     planted(bug)
     model = load_model(models["gemma2"], torch.float32, "cpu")
     tokens, ours = schedule_logits(model)
-    ref = hf_logits(models["gemma2"], tokens)
-    worst = max(float((o.log_softmax(-1) - r.log_softmax(-1)).abs().max())
-                for o, r in zip(ours, ref))  # fmt: skip
-    assert worst > 1e-2
+    assert worst_logprob_gap(ours, hf_logits(models["gemma2"], tokens)) > 1e-2

@@ -35,9 +35,15 @@ from tests.family_checks import (
     VOCAB,
     assert_cli_and_server_run,
     assert_logits_close,
-    assert_logprobs_match,
+    assert_same_parameters,
+    check_bfloat16_rounding,
+    check_eagle_head,
+    check_greedy,
+    check_logprobs,
+    check_tensor_parallel_2,
     chi_square_law,
     engine,
+    hf_greedy_outputs,
     hf_logits,
     prompts,
     save_random,
@@ -45,7 +51,7 @@ from tests.family_checks import (
     with_config,
     worst_logprob_gap,
 )
-from tests.helpers import greedy_token_ids, hf_greedy, make_perturbed_draft
+from tests.helpers import greedy_token_ids, make_perturbed_draft
 
 ray_cluster = family_checks.ray_cluster  # a fixture
 ARCHS = ("mixtral", "qwen3moe", "qwen2moe")
@@ -222,24 +228,12 @@ def test_logits_through_the_paged_cache_equal_transformers(models, arch) -> None
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
 def test_bfloat16_rounds_no_worse_than_transformers_bfloat16(models, arch) -> None:
-    model = load_model(models[arch], torch.bfloat16, "cpu")
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    tokens, ours = schedule_logits(model)
-    exact = hf_logits(models[arch], tokens)
-    theirs = hf_logits(models[arch], tokens, torch.bfloat16)
-
-    def err(a: list[torch.Tensor]) -> float:
-        return max(float((x - r).abs().max()) for x, r in zip(a, exact, strict=True))
-
-    assert 0 < err(ours) <= 1.25 * err(theirs)
-    with engine(models[arch], dtype="bfloat16") as llm:
-        assert [len(o) for o in greedy_token_ids(llm, prompts(2), 8)] == [8, 8]
+    check_bfloat16_rounding(models[arch])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_within_1e4_of_transformers(models, arch) -> None:
-    with engine(models[arch], DRAFTERS["draft"](models[f"{arch}-draft"])) as llm:
-        assert_logprobs_match(llm, models[arch], prompts(), stepwise=False)
+    check_logprobs(models, arch)
 
 
 # ---- greedy output, every drafter ------------------------------------------------------------
@@ -247,29 +241,18 @@ def test_logprobs_within_1e4_of_transformers(models, arch) -> None:
 
 @pytest.fixture(scope="module")
 def hf_outputs(models) -> dict[str, list[list[int]]]:
-    return {arch: hf_greedy(models[arch], prompts(), MAX_NEW) for arch in ARCHS}
+    return hf_greedy_outputs(models, ARCHS)
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
 def test_greedy_equals_transformers(models, hf_outputs, arch, drafter) -> None:
-    with engine(models[arch], DRAFTERS[drafter](models[f"{arch}-draft"])) as llm:
-        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch]
-        if drafter != "plain":
-            assert llm.engine.metrics.spec.proposed > 0
+    check_greedy(models, hf_outputs[arch], arch, drafter)
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
 def test_greedy_with_an_eagle_head_equals_transformers(models, hf_outputs, layout) -> None:
-    from specbatch.testing.eagle_heads import make_eagle_head
-
-    target = models["qwen3moe"]
-    head = make_eagle_head(target.parent / f"head-{layout}", target, layout, seed=5,
-                           with_embedding=layout == "eagle")  # fmt: skip
-    spec = {"method": layout, "model": str(head), "num_speculative_tokens": 3}
-    with engine(target, spec) as llm:
-        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs["qwen3moe"]
-        assert llm.engine.metrics.spec.proposed > 0
+    check_eagle_head(models["qwen3moe"], hf_outputs["qwen3moe"], layout)
 
 
 def test_the_law_of_whole_outputs_under_speculation(tmp_path) -> None:
@@ -286,11 +269,8 @@ def test_greedy_at_tensor_parallel_2_equals_transformers(models, hf_outputs, ray
     """Every expert's intermediate dimension split across two ranks: Mixtral verifying a draft
     model's chains, Qwen3-MoE the self-drafter's, Qwen2-MoE (its shared expert split too)
     plain."""
-    for arch, drafter in (("mixtral", "draft"), ("qwen3moe", "self_sparse"),
-                          ("qwen2moe", "plain")):  # fmt: skip
-        spec = DRAFTERS[drafter](models[f"{arch}-draft"])
-        with engine(models[arch], spec, tensor_parallel_size=2) as llm:
-            assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch], arch
+    cases = (("mixtral", "draft"), ("qwen3moe", "self_sparse"), ("qwen2moe", "plain"))
+    check_tensor_parallel_2(models, hf_outputs, cases, proposed=False)
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
@@ -361,10 +341,7 @@ def test_a_gguf_file_holds_the_checkpoint_and_gives_its_output(
     want = load_model(models[arch], torch.float32, "cpu", use_cpu_kernels=False)
     got = load_model(file, torch.float32, "cpu", use_cpu_kernels=False)
     assert got.moe == want.moe
-    params = dict(got.named_parameters())
-    assert params.keys() == dict(want.named_parameters()).keys()
-    for name, p in want.named_parameters():
-        assert torch.equal(params[name], p), name
+    assert_same_parameters(got, want)
     with engine(file) as llm:
         assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch]
 

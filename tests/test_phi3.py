@@ -33,9 +33,15 @@ from tests.family_checks import (
     VOCAB,
     assert_cli_and_server_run,
     assert_logits_close,
-    assert_logprobs_match,
+    assert_same_parameters,
+    check_bfloat16_rounding,
+    check_eagle_head,
+    check_greedy,
+    check_logprobs,
+    check_tensor_parallel_2,
     chi_square_law,
     engine,
+    hf_greedy_outputs,
     hf_logits,
     hf_stepwise_logits,
     prompts,
@@ -44,7 +50,7 @@ from tests.family_checks import (
     with_config,
     worst_logprob_gap,
 )
-from tests.helpers import greedy_token_ids, hf_greedy, make_perturbed_draft
+from tests.helpers import greedy_token_ids, make_perturbed_draft
 
 ray_cluster = family_checks.ray_cluster  # a fixture
 
@@ -128,25 +134,12 @@ def test_logits_through_the_paged_cache_equal_transformers(models, tmp_path, arc
 
 @pytest.mark.parametrize("arch", ["phi3", "phi4"])
 def test_bfloat16_rounds_no_worse_than_transformers_bfloat16(models, arch) -> None:
-    model = load_model(models[arch], torch.bfloat16, "cpu")
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    tokens, ours = schedule_logits(model)
-    exact = hf_logits(models[arch], tokens)
-    theirs = hf_logits(models[arch], tokens, torch.bfloat16)
-
-    def err(a: list[torch.Tensor]) -> float:
-        return max(float((x - r).abs().max()) for x, r in zip(a, exact, strict=True))
-
-    assert 0 < err(ours) <= 1.25 * err(theirs)
-    with engine(models[arch], dtype="bfloat16") as llm:
-        outs = greedy_token_ids(llm, prompts(2), 8)
-    assert [len(o) for o in outs] == [8, 8]
+    check_bfloat16_rounding(models[arch])
 
 
 @pytest.mark.parametrize("arch", ["phi3", "phi4"])
 def test_logprobs_within_1e4_of_transformers(models, arch) -> None:
-    with engine(models[arch], DRAFTERS["draft"](models[f"{arch}-draft"])) as llm:
-        assert_logprobs_match(llm, models[arch], prompts(), stepwise=False)
+    check_logprobs(models, arch)
 
 
 # ---- greedy output, every drafter ------------------------------------------------------------
@@ -154,16 +147,13 @@ def test_logprobs_within_1e4_of_transformers(models, arch) -> None:
 
 @pytest.fixture(scope="module")
 def hf_outputs(models) -> dict[str, list[list[int]]]:
-    return {arch: hf_greedy(models[arch], prompts(), MAX_NEW) for arch in ("phi3", "phi4")}
+    return hf_greedy_outputs(models, ("phi3", "phi4"))
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 @pytest.mark.parametrize("arch", ["phi3", "phi4"])
 def test_greedy_equals_transformers(models, hf_outputs, arch, drafter) -> None:
-    with engine(models[arch], DRAFTERS[drafter](models[f"{arch}-draft"])) as llm:
-        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch]
-        if drafter != "plain":
-            assert llm.engine.metrics.spec.proposed > 0
+    check_greedy(models, hf_outputs[arch], arch, drafter)
 
 
 @torch.inference_mode()
@@ -190,15 +180,7 @@ def test_greedy_across_the_longrope_switch(models, tmp_path, drafter) -> None:
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
 def test_greedy_with_an_eagle_head_equals_transformers(models, hf_outputs, layout) -> None:
-    from specbatch.testing.eagle_heads import make_eagle_head
-
-    target = models["phi4"]
-    head = make_eagle_head(target.parent / f"head-{layout}", target, layout, seed=5,
-                           with_embedding=layout == "eagle")  # fmt: skip
-    spec = {"method": layout, "model": str(head), "num_speculative_tokens": 3}
-    with engine(target, spec) as llm:
-        assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs["phi4"]
-        assert llm.engine.metrics.spec.proposed > 0
+    check_eagle_head(models["phi4"], hf_outputs["phi4"], layout)
 
 
 def test_the_law_of_whole_outputs_under_speculation(tmp_path) -> None:
@@ -215,11 +197,7 @@ def test_the_law_of_whole_outputs_under_speculation(tmp_path) -> None:
 def test_greedy_at_tensor_parallel_2_equals_transformers(models, hf_outputs, ray_cluster) -> None:
     """Fused q/k/v and gate/up split into each rank's heads and columns: Phi-3 verifying a
     draft model's chains, Phi-4-mini the self-drafter's."""
-    for arch, drafter in (("phi3", "draft"), ("phi4", "self_sparse")):
-        spec = DRAFTERS[drafter](models[f"{arch}-draft"])
-        with engine(models[arch], spec, tensor_parallel_size=2) as llm:
-            assert greedy_token_ids(llm, prompts(), MAX_NEW) == hf_outputs[arch], arch
-            assert llm.engine.metrics.spec.proposed > 0
+    check_tensor_parallel_2(models, hf_outputs, (("phi3", "draft"), ("phi4", "self_sparse")))
 
 
 def test_cli_and_server_run_it(models, make_checkpoint, tmp_path) -> None:
@@ -368,10 +346,7 @@ def assert_same_model(file: Path, hf_dir: Path, dtype: torch.dtype = torch.float
     ours, theirs = got.model.rotary_emb, want.model.rotary_emb
     assert ours.rotary_dim == theirs.rotary_dim
     assert torch.equal(ours.cos, theirs.cos) and torch.equal(ours.sin, theirs.sin)
-    params = dict(got.named_parameters())
-    assert params.keys() == dict(want.named_parameters()).keys()
-    for name, p in want.named_parameters():
-        assert torch.equal(params[name], p), name
+    assert_same_parameters(got, want)
 
 
 @pytest.mark.parametrize("arch", ["phi3", "phi4"])
