@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,28 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(out)
+
+
+def add_expert_args(p: argparse.ArgumentParser, expert_size: int) -> None:
+    """The mixture-of-experts benchmarks' ``--experts``, ``--top-k`` and ``--expert-size``."""
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-size", type=int, default=expert_size)
+
+
+def run_main(
+    p: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace], Any],
+    name: str,
+) -> int:
+    """Add ``--threads`` (1), ``--seed`` (0) and ``--out`` (``bench_results/<name>.json``) to
+    ``p``, parse ``argv``, and write ``run(args)``'s result as JSON on that many threads."""
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS_DIR / f"{name}.json"))
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    path = write_json(args.out, run(args))
+    print(f"wrote {path}")
+    return 0

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, fmt, format_table, machine_info, set_threads, write_json
+from benchmarks.common import add_expert_args, fmt, format_table, machine_info, run_main
 
 
 def streaming_rate(nbytes: int, repeats: int = 7) -> float:
@@ -103,19 +103,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
+    add_expert_args(p, expert_size=2048)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--expert-size", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=21)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS_DIR / "moe_experts.json"))
-    args = p.parse_args(argv)
-    set_threads(args.threads)
-    path = write_json(args.out, run(args))
-    print(f"wrote {path}")
-    return 0
+    return run_main(p, argv, run, "moe_experts")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, fmt, format_table, machine_info, set_threads, write_json
+from benchmarks.common import add_expert_args, fmt, format_table, machine_info, run_main
 
 
 def save_target(config: Any, out: Path, late: float, seed: int) -> Path:
@@ -178,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--gamma", type=int, default=3)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--expert-size", type=int, default=1024)
+    add_expert_args(p, expert_size=1024)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
@@ -190,15 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--kv-blocks", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS_DIR / "moe_speculation.json"))
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    set_threads(args.threads)
-    path = write_json(args.out, run(args))
-    print(f"wrote {path}")
-    return 0
+    return run_main(p, argv, run, "moe_speculation")
 
 
 if __name__ == "__main__":
