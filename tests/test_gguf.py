@@ -44,21 +44,31 @@ CASES: dict[str, tuple[str, dict[str, Any], str, dict[str, str]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def gguf_file(
-    make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+def file_maker(
+    cases: dict[str, tuple[str, dict[str, Any], str, dict[str, str]]],
+    make_checkpoint: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[str], Path]:
+    """A case's GGUF file (``cases``: name -> arch, checkpoint arguments, matrix type,
+    per-tensor types), written the first time it is asked for."""
     made: dict[str, Path] = {}
 
     def make(case: str) -> Path:
         if case not in made:
-            arch, kwargs, matrix_type, types = CASES[case]
+            arch, kwargs, matrix_type, types = cases[case]
             hf_dir = make_checkpoint(arch, with_tokenizer=True, **kwargs)
             out = tmp_path_factory.mktemp("gguf") / f"{case}.gguf"
             made[case] = write_gguf(hf_dir, out, matrix_type=matrix_type, types=types)
         return made[case]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def gguf_file(
+    make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    return file_maker(CASES, make_checkpoint, tmp_path_factory)
 
 
 @torch.inference_mode()
@@ -87,18 +97,27 @@ def transformers_greedy(file: Path, texts: list[str]) -> tuple[list[list[int]], 
     return prompts, outs
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_output_equals_transformers_reading_the_same_file(
-    gguf_file: Callable[[str], Path], case: str
-) -> None:
-    file = gguf_file(case)
+def assert_greedy_equals_transformers(file: Path, check: Callable[[LLM], None]) -> None:
+    """specbatch's greedy output from ``file`` equal to transformers' reading it, prompts
+    included; ``check`` sees the engine after its run."""
     want_prompts, want = transformers_greedy(file, TEXTS)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(str(file), dtype="float32", num_kv_blocks=32, max_model_len=128) as llm:
         outs = llm.generate(TEXTS, greedy, use_tqdm=False)
-        assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+        check(llm)
     assert [o.prompt_token_ids for o in outs] == want_prompts
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def all_blocks_free(llm: LLM) -> None:
+    assert llm.engine.num_free_kv_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_output_equals_transformers_reading_the_same_file(
+    gguf_file: Callable[[str], Path], case: str
+) -> None:
+    assert_greedy_equals_transformers(gguf_file(case), all_blocks_free)
 
 
 @pytest.mark.parametrize(

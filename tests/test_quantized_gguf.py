@@ -14,19 +14,25 @@ import torch
 from specbatch import LLM, SamplingParams
 from specbatch.kernels.cpu import cpu_kernels
 from specbatch.testing.gguf_files import write_gguf
-from tests.test_gguf import MAX_NEW, TEXTS, transformers_greedy
+from tests.test_gguf import MAX_NEW, TEXTS, assert_greedy_equals_transformers, file_maker
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no CPU kernels here")
 
 SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quants pack rows of 256 values
-CASES: dict[str, tuple[dict[str, Any], str, dict[str, str]]] = {
-    # name: (checkpoint arguments, matrix type, per-tensor types)
-    "q4_0": ({}, "Q4_0", {}),
-    "q4_1-tied": ({"tie_word_embeddings": True}, "Q4_1", {"token_embd.weight": "Q8_0"}),
-    "q8_0": ({}, "Q8_0", {}),
+CASES: dict[str, tuple[str, dict[str, Any], str, dict[str, str]]] = {
+    # name: (arch, checkpoint arguments, matrix type, per-tensor types)
+    "q4_0": ("llama", SHAPE, "Q4_0", {}),
+    "q4_1-tied": (
+        "llama",
+        {**SHAPE, "tie_word_embeddings": True},
+        "Q4_1",
+        {"token_embd.weight": "Q8_0"},
+    ),
+    "q8_0": ("llama", SHAPE, "Q8_0", {}),
     "q4_k-mixed": (
-        {},
+        "llama",
+        SHAPE,
         "Q4_K",
         {
             "blk.0.attn_v.weight": "Q6_K",
@@ -42,17 +48,7 @@ CASES: dict[str, tuple[dict[str, Any], str, dict[str, str]]] = {
 def gguf_file(
     make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def make(case: str) -> Path:
-        if case not in made:
-            kwargs, matrix_type, types = CASES[case]
-            hf_dir = make_checkpoint("llama", with_tokenizer=True, **SHAPE, **kwargs)
-            out = tmp_path_factory.mktemp("gguf") / f"{case}.gguf"
-            made[case] = write_gguf(hf_dir, out, matrix_type=matrix_type, types=types)
-        return made[case]
-
-    return make
+    return file_maker(CASES, make_checkpoint, tmp_path_factory)
 
 
 def kept_types(llm: LLM) -> set[str]:
@@ -66,14 +62,9 @@ def kept_types(llm: LLM) -> set[str]:
 def test_greedy_output_equals_transformers_reading_the_same_file(
     gguf_file: Callable[[str], Path], case: str
 ) -> None:
-    file = gguf_file(case)
-    want_prompts, want = transformers_greedy(file, TEXTS)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    with LLM(str(file), dtype="float32", num_kv_blocks=32, max_model_len=128) as llm:
-        types = kept_types(llm)
-        outs = llm.generate(TEXTS, greedy, use_tqdm=False)
-    assert [o.prompt_token_ids for o in outs] == want_prompts
-    assert [o.outputs[0].token_ids for o in outs] == want
+    seen: list[set[str]] = []
+    assert_greedy_equals_transformers(gguf_file(case), lambda llm: seen.append(kept_types(llm)))
+    types = seen[0]
     if case == "q4_k-mixed":
         assert {"Q4_K+Q6_K", "Q4_K+Q4_1", "Q5_K", "Q6_K"} <= types
 
