@@ -209,47 +209,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm (parameter names follow the HF ``model.`` prefix)."""
+    """Embedding, decoder layers, final norm (parameter names follow the HF ``model.`` prefix):
+    ``rotary`` (one module shared by all layers) and ``make_layer(i)`` for each layer ``i``
+    (each family's ``build_model`` passes its own)."""
 
     def __init__(
-        self,
-        hf_config: Any,
-        *,
-        arch: str,
-        backend: AttentionBackend,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        hidden = int(hf_config.hidden_size)
-        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-
-        def layer(_: int) -> nn.Module:
-            attn = LlamaAttention(
-                hf_config,
-                qkv_bias=is_qwen2 or attention_bias,
-                o_bias=attention_bias and not is_qwen2,
-                qk_norm=arch == "Qwen3ForCausalLM",
-                rotary=rotary,
-                backend=backend,
-                tp=tp,
-                **kw,
-            )
-            mlp = LlamaMLP(
-                hidden,
-                int(hf_config.intermediate_size),
-                bias=bool(getattr(hf_config, "mlp_bias", False)),
-                tp=tp,
-                **kw,
-            )
-            return LlamaDecoderLayer(hf_config, attn, mlp, **kw)
-
-        self._build(hf_config, rotary, layer, tp=tp, **kw)
-
-    def _build(
         self,
         hf_config: Any,
         rotary: RotaryEmbedding,
@@ -259,9 +223,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        """The embedding, ``rotary`` (one module shared by all layers), ``make_layer(i)`` for
-        each layer ``i`` and the final norm: the modules of a Llama-shaped decoder."""
-        nn.Module.__init__(self)
+        super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         hidden = int(hf_config.hidden_size)
         self.embed_tokens = VocabParallelEmbedding(int(hf_config.vocab_size), hidden, tp=tp, **kw)
@@ -384,9 +346,33 @@ class LlamaForCausalLM(nn.Module):
     def build_model(self, hf_config: Any, arch: str, backend: AttentionBackend) -> nn.Module:
         """The decoder (``self.model``: embedding, layers, final norm), once the shape and
         the attributes above are set."""
-        return LlamaModel(
-            hf_config, arch=arch, backend=backend, tp=self.tp, dtype=self.dtype, device=self.device
-        )
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        hidden, tp = int(hf_config.hidden_size), self.tp
+        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), self.device)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+
+        def layer(_: int) -> nn.Module:
+            attn = LlamaAttention(
+                hf_config,
+                qkv_bias=is_qwen2 or attention_bias,
+                o_bias=attention_bias and not is_qwen2,
+                qk_norm=arch == "Qwen3ForCausalLM",
+                rotary=rotary,
+                backend=backend,
+                tp=tp,
+                **kw,
+            )
+            mlp = LlamaMLP(
+                hidden,
+                int(hf_config.intermediate_size),
+                bias=bool(getattr(hf_config, "mlp_bias", False)),
+                tp=tp,
+                **kw,
+            )
+            return LlamaDecoderLayer(hf_config, attn, mlp, **kw)
+
+        return LlamaModel(hf_config, rotary, layer, tp=tp, **kw)
 
     @torch.inference_mode()
     def forward(

@@ -166,43 +166,6 @@ class SparseMoeBlock(nn.Module):
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
-class MoeModel(LlamaModel):
-    """Embedding, decoder layers, final norm; the forward is ``LlamaModel``'s module path."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        settings: MoeSettings,
-        *,
-        backend: AttentionBackend,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        hidden = int(hf_config.hidden_size)
-        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), device)
-        qwen2 = settings.arch == "Qwen2MoeForCausalLM"
-        bias = bool(getattr(hf_config, "attention_bias", False))
-
-        def layer(i: int) -> nn.Module:
-            attn = LlamaAttention(
-                hf_config, qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
-                qk_norm=settings.arch == "Qwen3MoeForCausalLM", rotary=rotary,
-                backend=backend, tp=tp, **kw,
-            )  # fmt: skip
-            mlp: nn.Module
-            if settings.sparse[i]:
-                mlp = SparseMoeBlock(hidden, settings, tp=tp, **kw)
-            else:
-                mlp = LlamaMLP(hidden, settings.dense_size, bias=False, tp=tp, **kw)
-            # the MLP under the checkpoint's name (Mixtral's block_sparse_moe, Qwen's mlp)
-            return LlamaDecoderLayer(hf_config, attn, mlp, settings.module, **kw)
-
-        self._build(hf_config, rotary, layer, tp=tp, **kw)
-        self.cpu_plan = None  # the plan's layer kernel runs dense MLPs only
-
-
 class MoeForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM; this rank's shard when ``tp.size > 1``. The
     same interface as ``LlamaForCausalLM`` (whose forward, logits and cache it uses)."""
@@ -221,9 +184,29 @@ class MoeForCausalLM(LlamaForCausalLM):
             mixtral = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
                        "w2": ("down_proj", None)}  # fmt: skip
             self.packed_modules = {**mixtral, **self.packed_modules}
-        return MoeModel(
-            hf_config, self.moe, backend=backend, tp=self.tp, dtype=self.dtype, device=self.device
-        )
+        settings = self.moe
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        hidden, tp = int(hf_config.hidden_size), self.tp
+        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), self.device)
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        bias = bool(getattr(hf_config, "attention_bias", False))
+
+        def layer(i: int) -> nn.Module:
+            attn = LlamaAttention(
+                hf_config, qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
+                qk_norm=arch == "Qwen3MoeForCausalLM", rotary=rotary,
+                backend=backend, tp=tp, **kw,
+            )  # fmt: skip
+            mlp: nn.Module
+            if settings.sparse[i]:
+                mlp = SparseMoeBlock(hidden, settings, tp=tp, **kw)
+            else:
+                mlp = LlamaMLP(hidden, settings.dense_size, bias=False, tp=tp, **kw)
+            # the MLP under the checkpoint's name (Mixtral's block_sparse_moe, Qwen's mlp)
+            return LlamaDecoderLayer(hf_config, attn, mlp, settings.module, **kw)
+
+        # the forward is LlamaModel's module path: the CPU plan's layer kernel runs dense MLPs only
+        return LlamaModel(hf_config, rotary, layer, tp=tp, **kw)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the projections, experts, rotary and LM head through specbatch's CPU kernels,

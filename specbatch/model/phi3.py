@@ -26,7 +26,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from specbatch.distributed.parallel_state import TensorParallelGroup
 from specbatch.errors import InvalidInputError
 from specbatch.kernels.cpu import CpuKernels
 from specbatch.kernels.huge_pages import pack_for_kernels
@@ -223,36 +222,6 @@ def load_fused(layer: ColumnParallelLinear, parts: Sequence[object]) -> None:
         set_weight_loader(layer.bias, loader)
 
 
-class Phi3Model(LlamaModel):
-    """Embedding, decoder layers, final norm; the forward is ``LlamaModel``'s module path."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        *,
-        backend: AttentionBackend,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        hidden = int(hf_config.hidden_size)
-        rotary = Phi3Rotary(hf_config, device)
-
-        def layer(_: int) -> nn.Module:
-            attn = LlamaAttention(
-                hf_config, qkv_bias=False, o_bias=False, qk_norm=False,
-                rotary=rotary, backend=backend, tp=tp, **kw,
-            )  # fmt: skip
-            mlp = LlamaMLP(hidden, int(hf_config.intermediate_size), bias=False, tp=tp, **kw)
-            load_fused(attn.qkv_proj, ("q", "k", "v"))
-            load_fused(mlp.gate_up_proj, (0, 1))
-            return LlamaDecoderLayer(hf_config, attn, mlp, **kw)
-
-        self._build(hf_config, rotary, layer, tp=tp, **kw)
-        self.cpu_plan = None  # the plan's layer kernel turns whole heads only
-
-
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-4-mini causal LM; this rank's shard when ``tp.size > 1``. The same
     interface as ``LlamaForCausalLM`` (whose forward, logits and cache it uses)."""
@@ -270,9 +239,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return arch
 
     def build_model(self, hf_config: Any, arch: str, backend: AttentionBackend) -> nn.Module:
-        return Phi3Model(
-            hf_config, backend=backend, tp=self.tp, dtype=self.dtype, device=self.device
-        )
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        hidden, tp = int(hf_config.hidden_size), self.tp
+        rotary = Phi3Rotary(hf_config, self.device)
+
+        def layer(_: int) -> nn.Module:
+            attn = LlamaAttention(
+                hf_config, qkv_bias=False, o_bias=False, qk_norm=False,
+                rotary=rotary, backend=backend, tp=tp, **kw,
+            )  # fmt: skip
+            mlp = LlamaMLP(hidden, int(hf_config.intermediate_size), bias=False, tp=tp, **kw)
+            load_fused(attn.qkv_proj, ("q", "k", "v"))
+            load_fused(mlp.gate_up_proj, (0, 1))
+            return LlamaDecoderLayer(hf_config, attn, mlp, **kw)
+
+        # the forward is LlamaModel's module path: the CPU plan's layer kernel turns whole heads
+        return LlamaModel(hf_config, rotary, layer, tp=tp, **kw)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run the projections, rotary (whole heads only) and LM head through specbatch's CPU
