@@ -43,6 +43,7 @@ from specbatch.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     head_dim_of,
+    known_architecture,
     num_kv_heads_of,
 )
 
@@ -321,26 +322,17 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def check_config(self, hf_config: Any) -> str:
         arch = gemma_architecture(hf_config)
-        if arch is None:
-            raise InvalidInputError(
-                f"not a Gemma text model; supported: {', '.join(GEMMA_ARCHITECTURES)}"
-            )
+        arch = known_architecture(arch, "a Gemma text model", GEMMA_ARCHITECTURES)
         check_gemma_config(hf_config)
         return arch
 
-    def choose_backend(
-        self,
-        backend: AttentionBackend | None,
-        hf_config: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> AttentionBackend:
+    def choose_backend(self, backend: AttentionBackend | None) -> AttentionBackend:
         if backend is None:
             return TorchAttentionBackend()
         if not isinstance(backend, TorchAttentionBackend):
             raise InvalidInputError(
                 f"attention_backend '{backend.name}' cannot run this model: "
-                f"{needs_torch_attention(hf_config)}",
+                f"{needs_torch_attention(self.hf_config)}",
                 "attention_backend",
             )
         return backend

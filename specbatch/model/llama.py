@@ -8,7 +8,7 @@ the attention metadata are passed to every forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -53,6 +53,14 @@ def architecture_of(hf_config: Any) -> str:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
     return archs[0]
+
+
+def known_architecture(arch: str | None, kind: str, supported: Sequence[str]) -> str:
+    """``arch``, a family's architecture found in a config, unless None (then an error: the
+    config is not ``kind``, and the family runs ``supported``)."""
+    if arch is None:
+        raise InvalidInputError(f"not {kind}; supported: {', '.join(supported)}")
+    return arch
 
 
 def check_architecture(hf_config: Any) -> str:
@@ -294,13 +302,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         arch = self.check_config(hf_config)
-        attention_backend = self.choose_backend(attention_backend, hf_config, dtype, device)
         self.hf_config = hf_config
         self.architecture = arch
         self.dtype = dtype
         self.device = torch.device(device)
         self.tp = tp
-        self.attention_backend = attention_backend
+        self.attention_backend = attention_backend = self.choose_backend(attention_backend)
         take_shape(self, hf_config, tp)
         self.sliding_window = self.context_window(hf_config)
         self.tie_word_embeddings = bool(
@@ -325,19 +332,15 @@ class LlamaForCausalLM(nn.Module):
         """The config's architecture, if this class runs it (else InvalidInputError)."""
         return check_architecture(hf_config)
 
-    def choose_backend(
-        self,
-        backend: AttentionBackend | None,
-        hf_config: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> AttentionBackend:
-        """``backend``, or where it is None the one chosen for the device, dtype and head size."""
+    def choose_backend(self, backend: AttentionBackend | None) -> AttentionBackend:
+        """``backend``, or where it is None the one chosen for the device, dtype and head size
+        (``self.hf_config``, ``dtype`` and ``device`` are set)."""
         if backend is not None:
             return backend
         from specbatch.model.layers.backend_choice import select_backend
 
-        return select_backend(device, dtype=dtype, head_dim=head_dim_of(hf_config))
+        head_dim = head_dim_of(self.hf_config)
+        return select_backend(self.device, dtype=self.dtype, head_dim=head_dim)
 
     def context_window(self, hf_config: Any) -> int | None:
         """The attention window that caps the context (``sliding_window``), if any."""

@@ -36,6 +36,7 @@ from specbatch.model.llama import (
     LlamaMLP,
     LlamaModel,
     head_dim_of,
+    known_architecture,
 )
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -82,11 +83,9 @@ def _int(hf_config: Any, arch: str, name: str, minimum: int = 1) -> int:
 
 def moe_settings(hf_config: Any) -> MoeSettings:
     """The experts of a (Mixtral / Qwen2-MoE / Qwen3-MoE) config, checked."""
-    arch = moe_architecture(hf_config)
-    if arch is None:
-        raise InvalidInputError(
-            f"not a mixture of experts; supported: {', '.join(MOE_ARCHITECTURES)}"
-        )
+    arch = known_architecture(
+        moe_architecture(hf_config), "a mixture of experts", MOE_ARCHITECTURES
+    )
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise InvalidInputError(f"hidden_act '{act}' is not supported for {arch}; supported: silu")

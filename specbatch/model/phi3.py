@@ -40,6 +40,7 @@ from specbatch.model.llama import (
     LlamaMLP,
     LlamaModel,
     head_dim_of,
+    known_architecture,
 )
 
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -230,11 +231,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, object]]] = {}
 
     def check_config(self, hf_config: Any) -> str:
-        arch = phi3_architecture(hf_config)
-        if arch is None:
-            raise InvalidInputError(
-                f"not a Phi-3 model; supported: {', '.join(PHI3_ARCHITECTURES)}"
-            )
+        arch = known_architecture(phi3_architecture(hf_config), "a Phi-3 model", PHI3_ARCHITECTURES)
         check_phi3_config(hf_config)
         return arch
 
