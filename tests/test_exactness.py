@@ -132,8 +132,8 @@ def test_mixed_batch_of_temperatures_and_draft_lengths(pair):
 
 @pytest.mark.parametrize("temps", [(1.0,), (1.0, 0.7)])
 def test_joint_of_first_three_tokens_is_the_targets_with_auto(pair, temps):
-    """``auto`` picks each step's draft lengths from earlier rounds: sweeps, probes and (with
-    two sampling classes) plans where one class drafts and the other not."""
+    """``auto`` picks each step's draft lengths from earlier rounds: sweeps and (with two
+    sampling classes) plans where one class drafts and the other not."""
     llm = engine(pair, "auto", seed=21, max_draft_length=4)
     policy = llm.engine.scheduler.policy
     # forget the start-up timing: at 256 requests it stops drafts at once; learning prices

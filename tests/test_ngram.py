@@ -242,7 +242,7 @@ def test_auto_with_ngram_equals_transformers_greedy(make_checkpoint) -> None:
     path = make_checkpoint("llama", seed=2)
     prompts = [REPEATS, [9, 10, 11, 9, 10], [20, 21, 22, 23]]
     llm = LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
-              "prompt_lookup_min": 1}, max_num_seqs=8, num_kv_blocks=256, block_size=4,
+              "prompt_lookup_min": 1}, max_num_seqs=1, num_kv_blocks=256, block_size=4,
               max_model_len=128)  # fmt: skip
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
